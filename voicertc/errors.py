@@ -1,0 +1,33 @@
+"""The few error types voicertc raises at its edges."""
+
+from __future__ import annotations
+
+
+class VoiceRTCError(Exception):
+    """Base of every error voicertc raises on purpose."""
+
+    code = "voicertc_error"
+
+
+class ConfigError(VoiceRTCError):
+    """A config file or value is wrong; the message names the key."""
+
+    code = "config_error"
+
+
+class ModelDirError(VoiceRTCError):
+    """A model directory is missing a file or holds a wrong one; the message names the file."""
+
+    code = "model_dir_error"
+
+
+class UnknownVoiceError(VoiceRTCError):
+    """A voice id that the engine does not have."""
+
+    code = "unknown_voice"
+
+
+class InputError(VoiceRTCError):
+    """Bad text or audio given to the engine (empty, too long, not audio...)."""
+
+    code = "bad_input"

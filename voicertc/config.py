@@ -1,0 +1,206 @@
+"""`config.toml` → frozen dataclasses, validated once at start and passed down.
+
+Every section of the file maps onto one dataclass below; every key onto one field. Unknown sections,
+unknown keys, wrong types and out-of-range values raise `ConfigError` naming `section.key`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from voicertc.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    use_uvloop: bool = True
+    static_dir: str = ""
+
+    def validate(self) -> None:
+        _check(0 <= self.port <= 65535, "server.port", "must be 0..65535")
+
+
+@dataclass(frozen=True)
+class WebRTCConfig:
+    ice_servers: tuple[str, ...] = ()
+    loopback_only: bool = False
+    frame_ms: int = 20
+    sample_rate_hz: int = 48000
+    stereo: bool = True
+    interrupt_fade_ms: int = 10
+    connect_timeout_s: float = 30.0
+    keepalive_timeout_s: float = 10.0
+
+    def validate(self) -> None:
+        _check(self.frame_ms in (10, 20), "webrtc.frame_ms", "must be 10 or 20")
+        _check(self.sample_rate_hz == 48000, "webrtc.sample_rate_hz", "must be 48000 (Opus)")
+        _check(0 <= self.interrupt_fade_ms <= 100, "webrtc.interrupt_fade_ms", "must be 0..100")
+        _check(self.connect_timeout_s > 0, "webrtc.connect_timeout_s", "must be > 0")
+        _check(self.keepalive_timeout_s > 0, "webrtc.keepalive_timeout_s", "must be > 0")
+
+
+BACKENDS = ("piper", "fake", "cosyvoice2")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    backend: str = "piper"
+    model_dir: str = ""
+    device: str = "auto"
+    dtype: str = "float32"
+    default_voice: str = ""
+    voices_dir: str = "voices"
+    max_queued_ms: int = 4000
+    piper_threads: int = 1
+    first_clause_min_chars: int = 12
+
+    def validate(self) -> None:
+        _check(self.backend in BACKENDS, "engine.backend", f"must be one of {', '.join(BACKENDS)}")
+        _check(self.dtype in ("float32", "float16", "bfloat16"), "engine.dtype", "bad dtype")
+        ok_device = self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
+        _check(ok_device, "engine.device", "must be auto, cpu, cuda or cuda:N")
+        _check(200 <= self.max_queued_ms <= 120_000, "engine.max_queued_ms", "must be 200..120000")
+        _check(1 <= self.piper_threads <= 64, "engine.piper_threads", "must be 1..64")
+        _check(0 <= self.first_clause_min_chars <= 200, "engine.first_clause_min_chars", "must be 0..200")
+        if self.backend == "cosyvoice2":
+            _check(bool(self.model_dir), "engine.model_dir", "is required for backend cosyvoice2")
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    first_hop_tokens: int = 25
+    growth: int = 2
+    max_hop_tokens: int = 100
+    lookahead_tokens: int = 3
+
+    def validate(self) -> None:
+        _check(self.first_hop_tokens >= 1, "schedule.first_hop_tokens", "must be >= 1")
+        _check(self.growth >= 1, "schedule.growth", "must be >= 1")
+        _check(self.max_hop_tokens >= self.first_hop_tokens, "schedule.max_hop_tokens", "must be >= first hop")
+        _check(self.lookahead_tokens >= 0, "schedule.lookahead_tokens", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class FakeConfig:
+    ttfa_ms: int = 50
+    rtf: float = 0.1
+    chunk_ms: int = 200
+    tone_hz: float = 440.0
+    fail_after_chunks: int = -1
+
+    def validate(self) -> None:
+        _check(self.ttfa_ms >= 0, "fake.ttfa_ms", "must be >= 0")
+        _check(0 <= self.rtf <= 10, "fake.rtf", "must be 0..10")
+        _check(10 <= self.chunk_ms <= 10_000, "fake.chunk_ms", "must be 10..10000")
+        _check(0 <= self.tone_hz < 12_000, "fake.tone_hz", "must be 0..12000")
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    max_text_chars: int = 20_000
+    max_calls: int = 16
+    max_utterances: int = 64
+
+    def validate(self) -> None:
+        _check(self.max_text_chars >= 1, "limits.max_text_chars", "must be >= 1")
+        _check(self.max_calls >= 1, "limits.max_calls", "must be >= 1")
+        _check(self.max_utterances >= 1, "limits.max_utterances", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    tokens: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        _check(all(t.strip() for t in self.tokens), "auth.tokens", "must not contain empty tokens")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    level: str = "INFO"
+
+    def validate(self) -> None:
+        _check(self.level in ("DEBUG", "INFO", "WARNING", "ERROR"), "logging.level", "bad level")
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    webrtc: WebRTCConfig = field(default_factory=WebRTCConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    fake: FakeConfig = field(default_factory=FakeConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def replace(self, section: str, **values: Any) -> Config:
+        """A copy with some keys of one section changed (command-line overrides), validated."""
+        new_section = _build_section(type(getattr(self, section)), section, values, base=getattr(self, section))
+        return dataclasses.replace(self, **{section: new_section})
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def _coerce(key: str, kind: Any, value: Any) -> Any:
+    if kind is bool:
+        _check(isinstance(value, bool), key, "must be true or false")
+        return value
+    if kind is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), key, "must be an integer")
+        return value
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        _check(ok, key, "must be a number")
+        return float(value)
+    if kind is str:
+        _check(isinstance(value, str), key, "must be a string")
+        return value
+    ok = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+    _check(ok, key, "must be a list of strings")
+    return tuple(value)
+
+
+def _build_section(cls: type, section: str, values: dict[str, Any], base: Any = None) -> Any:
+    hints = get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    for key in values:
+        _check(key in names, f"{section}.{key}", "unknown key")
+    coerced = {k: _coerce(f"{section}.{k}", hints[k], v) for k, v in values.items()}
+    obj = dataclasses.replace(base, **coerced) if base is not None else cls(**coerced)
+    obj.validate()
+    return obj
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """A validated Config from parsed TOML; missing keys keep their defaults."""
+    sections = {f.name: f for f in fields(Config)}
+    built: dict[str, Any] = {}
+    for name, values in data.items():
+        _check(name in sections, name, "unknown section")
+        _check(isinstance(values, dict), name, "must be a table")
+        built[name] = _build_section(get_type_hints(Config)[name], name, values)
+    return Config(**built)
+
+
+def load_config(path: str | Path | None = None) -> Config:
+    """Read and validate `config.toml` (or the defaults when `path` is None)."""
+    if path is None:
+        return config_from_dict({})
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config ({exc.strerror})") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML ({exc})") from exc
+    return config_from_dict(data)

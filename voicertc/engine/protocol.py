@@ -1,0 +1,160 @@
+"""The engine seam: what the transport may ask of an engine, and what it hears back.
+
+The transport (WebRTC call, HTTP API, an agent in-process) depends on this module and on
+`voicertc.audio`, nothing else of the engine. Messages crossing threads are frozen dataclasses.
+
+Threads: `Engine` methods are safe to call from any thread (they enqueue a command and return).
+`on_event` callbacks and `AudioSink.write` run on the engine's worker thread; the sink's reader
+(the WebRTC track) runs on the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+# --- events: engine -> caller --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FirstAudio:
+    """The first PCM of an utterance reached its sink."""
+
+    utterance_id: str
+    ttfa_ms: float  # from the utterance's first text to its first PCM in the sink
+
+
+@dataclass(frozen=True)
+class Done:
+    """All of the utterance's audio is in its sink (playback may still be running)."""
+
+    utterance_id: str
+    audio_ms: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    utterance_id: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    utterance_id: str
+    code: str  # e.g. "bad_input", "unknown_voice", "synthesis_error", "text_too_long"
+    message: str
+
+
+EngineEvent = FirstAudio | Done | Cancelled | Failed
+EventCallback = Callable[[EngineEvent], None]
+
+# --- commands: caller -> engine worker (internal queue messages) ---------------------------------
+
+
+@dataclass(frozen=True)
+class OpenUtterance:
+    utterance_id: str
+    voice: str
+    sink: AudioSink
+    on_event: EventCallback
+    generation: int  # sink generation at open; writes after a clear() of the sink are dropped
+
+
+@dataclass(frozen=True)
+class PushText:
+    utterance_id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class EndInput:
+    utterance_id: str
+
+
+@dataclass(frozen=True)
+class Cancel:
+    utterance_id: str
+
+
+@dataclass(frozen=True)
+class Wake:
+    """A sink has room again (or anything else that may make work runnable)."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+Command = OpenUtterance | PushText | EndInput | Cancel | Wake | Stop
+
+
+# --- the sink the engine writes into --------------------------------------------------------------
+
+
+@runtime_checkable
+class AudioSink(Protocol):
+    """Where an utterance's PCM goes. Implemented by `voicertc.audio.RingSink`.
+
+    Written from the engine thread, read (played out) elsewhere. Backpressure: the engine writes
+    only while `has_room()`; the reader calls the space listener when room frees up again.
+    """
+
+    @property
+    def generation(self) -> int:
+        """Bumped by every clear() (interrupt); the engine tags its writes with the value at open."""
+        ...
+
+    def write(self, pcm: np.ndarray, sample_rate_hz: int, utterance_id: str, generation: int) -> bool:
+        """Queue float32 mono PCM in [-1, 1] at any rate. False (and dropped) if `generation` is stale."""
+        ...
+
+    def end_utterance(self, utterance_id: str, generation: int) -> None:
+        """No more audio for this utterance: flush the resampler and mark the end for playback."""
+        ...
+
+    def has_room(self) -> bool:
+        """Below the high-water mark: the engine may write another piece."""
+        ...
+
+    def set_space_listener(self, callback: Callable[[], None] | None) -> None:
+        """`callback()` is called (from the reader's thread) when `has_room()` turns true again."""
+        ...
+
+
+# --- the engine ------------------------------------------------------------------------------------
+
+
+class Engine(Protocol):
+    """Text in, PCM out, per utterance; one worker thread behind it."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def voices(self) -> list[str]: ...
+
+    def open_utterance(
+        self, voice: str | None, sink: AudioSink, on_event: EventCallback, utterance_id: str | None = None
+    ) -> str:
+        """Open an utterance on `voice` (None = default) writing into `sink`; returns its id."""
+        ...
+
+    def push_text(self, utterance_id: str, text: str) -> None:
+        """Append text (a whole text, or one delta of an LLM stream)."""
+        ...
+
+    def end_input(self, utterance_id: str) -> None:
+        """No more text will come; the utterance finishes after what it has."""
+        ...
+
+    def cancel(self, utterance_id: str) -> None:
+        """Stop synthesizing; exactly one Cancelled (or an earlier terminal event) follows."""
+        ...
+
+    def say(self, voice: str | None, sink: AudioSink, on_event: EventCallback, text: str) -> str:
+        """open_utterance + push_text + end_input."""
+        ...

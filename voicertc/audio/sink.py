@@ -1,0 +1,97 @@
+"""`RingSink`: the engine's `AudioSink`, resampling onto a `PcmRing`. Written from the engine thread.
+
+The sink does the per-piece CPU work (resample to 48 kHz, float -> int16) on the caller's thread so the
+event loop only copies int16 frames out of the ring. Writes tagged with a generation older than the
+ring's (an interrupt happened since the utterance opened) are dropped, resampler state included.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from voicertc.audio.resample import StreamingResampler
+from voicertc.audio.ring import PcmRing
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _UtteranceStream:
+    sample_rate_hz: int
+    generation: int
+    resampler: StreamingResampler
+
+
+class RingSink:
+    """Implements `voicertc.engine.protocol.AudioSink` on top of a `PcmRing` (48 kHz mono int16).
+
+    Owner: the engine thread calls write/end_utterance/has_room; the reader (track) owns the ring's
+    read side and calls the space listener. `_streams` is touched by the engine thread only.
+    """
+
+    def __init__(self, ring: PcmRing, quality: str = "HQ") -> None:
+        self.ring = ring
+        self._quality = quality
+        self._streams: dict[str, _UtteranceStream] = {}
+
+    @property
+    def generation(self) -> int:
+        return self.ring.generation
+
+    @property
+    def queued_ms(self) -> float:
+        return self.ring.queued_ms
+
+    def has_room(self) -> bool:
+        return self.ring.has_room()
+
+    def set_space_listener(self, callback: Callable[[], None] | None) -> None:
+        self.ring.set_space_listener(callback)
+
+    def write(self, pcm: np.ndarray, sample_rate_hz: int, utterance_id: str, generation: int) -> bool:
+        """Resample float32 mono PCM in [-1, 1] to 48 kHz and queue it. False (dropped) if stale."""
+        if generation != self.ring.generation:
+            self._streams.pop(utterance_id, None)
+            return False
+        stream = self._stream_for(utterance_id, int(sample_rate_hz), generation)
+        pcm_48k = stream.resampler.process(pcm)
+        return self.ring.write(float_to_int16(pcm_48k), utterance_id, generation)
+
+    def end_utterance(self, utterance_id: str, generation: int) -> None:
+        """Flush the utterance's resampler into the ring and queue its end mark."""
+        stream = self._streams.pop(utterance_id, None)
+        if generation != self.ring.generation:
+            return
+        if stream is not None and stream.generation == generation:
+            tail = stream.resampler.flush()
+            if tail.size and not self.ring.write(float_to_int16(tail), utterance_id, generation):
+                return
+        self.ring.end_utterance(utterance_id, generation)
+
+    def _stream_for(self, utterance_id: str, sample_rate_hz: int, generation: int) -> _UtteranceStream:
+        self._drop_stale(generation)
+        stream = self._streams.get(utterance_id)
+        if stream is not None and stream.sample_rate_hz != sample_rate_hz:
+            # A new input rate mid-utterance: finish the old stream, start one for the new rate.
+            logger.debug("utterance %s: input rate %d -> %d Hz", utterance_id, stream.sample_rate_hz, sample_rate_hz)
+            self.ring.write(float_to_int16(stream.resampler.flush()), utterance_id, generation)
+            stream = None
+        if stream is None:
+            resampler = StreamingResampler(sample_rate_hz, self.ring.sample_rate_hz, quality=self._quality)
+            stream = _UtteranceStream(sample_rate_hz, generation, resampler)
+            self._streams[utterance_id] = stream
+        return stream
+
+    def _drop_stale(self, generation: int) -> None:
+        stale = [uid for uid, s in self._streams.items() if s.generation != generation]
+        for uid in stale:
+            del self._streams[uid]
+
+
+def float_to_int16(pcm: np.ndarray) -> np.ndarray:
+    """float PCM in [-1, 1] (clipped) -> int16, rounded."""
+    return np.round(np.clip(pcm, -1.0, 1.0) * 32767.0).astype(np.int16)

@@ -34,10 +34,6 @@ def is_runnable(utt: Utterance, backend: Backend, now_s: float) -> bool:
     return utt.sink.has_room() and backend.has_work(utt, now_s)
 
 
-def runnable_heads(utterances: Iterable[Utterance], backend: Backend, now_s: float) -> list[Utterance]:
-    return [u for u in sink_heads(utterances) if is_runnable(u, backend, now_s)]
-
-
 def pick_next(runnable: list[Utterance]) -> Utterance:
     """First-audio-pending utterances first (oldest first), then the least-served one."""
 

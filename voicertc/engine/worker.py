@@ -34,7 +34,7 @@ from voicertc.engine.protocol import (
     Stop,
     Wake,
 )
-from voicertc.engine.scheduler import pick_next, runnable_heads
+from voicertc.engine.scheduler import is_runnable, pick_next, sink_heads
 from voicertc.engine.utterance import Utterance
 from voicertc.errors import InputError, UnknownVoiceError, VoiceRTCError
 
@@ -135,7 +135,7 @@ class EngineWorker:
         running = True
         try:
             while running:
-                heads = runnable_heads(self._utterances.values(), self.backend, self.clock())
+                heads = self._runnable_heads()
                 if heads:
                     running = self._drain(block=False)
                     if running:
@@ -146,6 +146,16 @@ class EngineWorker:
             logger.exception("engine %s worker crashed", self.backend.name)
         finally:
             self._teardown()
+
+    def _runnable_heads(self) -> list[Utterance]:
+        now_s, runnable = self.clock(), []
+        for utt in sink_heads(list(self._utterances.values())):
+            try:
+                if is_runnable(utt, self.backend, now_s):
+                    runnable.append(utt)
+            except Exception as exc:  # noqa: BLE001 - a broken sink or backend state fails only its utterance
+                self._fail(utt, exc)
+        return runnable
 
     def _idle_timeout_s(self) -> float | None:
         wakes = [w for u in self._utterances.values() if (w := self.backend.wake_at(u)) is not None]

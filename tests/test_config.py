@@ -1,0 +1,69 @@
+"""config.toml -> typed config: defaults, the shipped file, errors that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from voicertc.config import Config, load_config
+from voicertc.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    return path
+
+
+def test_shipped_config_equals_the_defaults():
+    assert load_config(REPO / "config.toml") == Config()
+
+
+def test_values_are_read_and_typed(tmp_path):
+    cfg = load_config(write(tmp_path, '[server]\nport = 9000\n[auth]\ntokens = ["a", "b"]\n[fake]\nrtf = 1\n'))
+    assert cfg.server.port == 9000
+    assert cfg.auth.tokens == ("a", "b")
+    assert cfg.fake.rtf == 1.0 and isinstance(cfg.fake.rtf, float)
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("[server]\nprot = 1\n", "server.prot"),
+        ("[sever]\nport = 1\n", "sever"),
+        ("[server]\nport = 'x'\n", "server.port"),
+        ("[server]\nport = 70000\n", "server.port"),
+        ("[webrtc]\nframe_ms = 40\n", "webrtc.frame_ms"),
+        ("[engine]\nbackend = 'espeak'\n", "engine.backend"),
+        ("[engine]\nbackend = 'cosyvoice2'\n", "engine.model_dir"),
+        ("[schedule]\nmax_hop_tokens = 10\n", "schedule.max_hop_tokens"),
+        ("[auth]\ntokens = [1]\n", "auth.tokens"),
+        ("[server]\nuse_uvloop = 1\n", "server.use_uvloop"),
+    ],
+)
+def test_bad_values_name_the_key(tmp_path, text, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(write(tmp_path, text))
+
+
+def test_bad_toml_and_missing_file_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "[server\n"))
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_replace_validates_overrides():
+    cfg = Config().replace("server", port=1234)
+    assert cfg.server.port == 1234 and cfg.server.host == "127.0.0.1"
+    with pytest.raises(ConfigError, match="engine.backend"):
+        Config().replace("engine", backend="nope")
+
+
+def test_every_shipped_key_has_a_comment():
+    for line in (REPO / "config.toml").read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith("#"):
+            assert "#" in line, f"config.toml line without a comment: {line!r}"

@@ -1,0 +1,71 @@
+"""The bundled Piper voice behind the engine protocol (real onnxruntime, offline)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from engine_helpers import EventLog, RecordingSink
+
+from voicertc.backends.piper import PiperBackend
+from voicertc.engine import Done, Failed, FirstAudio
+from voicertc.engine.worker import EngineWorker
+from voicertc.errors import ModelDirError
+
+
+@pytest.fixture(scope="module")
+def piper_engine():
+    eng = EngineWorker(PiperBackend(threads=1))
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+def test_sentence_is_spoken_at_22050_hz_in_growing_chunks(piper_engine):
+    log, sink = EventLog(), RecordingSink()
+    writes: list[int] = []
+    original = sink.write
+
+    def spy(pcm, rate, uid, gen):
+        writes.append(len(pcm))
+        return original(pcm, rate, uid, gen)
+
+    sink.write = spy
+    text = "Hello, this is a real time voice test. The quick brown fox jumps over the lazy dog."
+    uid = piper_engine.say(None, sink, log, text)
+    log.wait_terminal([uid], timeout_s=60)
+    assert [type(e) for e in log.of(uid)] == [FirstAudio, Done]
+    assert sink.rates == {22050}
+    pcm = sink.samples(uid)
+    assert 3.0 < len(pcm) / 22050 < 9.0
+    assert np.abs(pcm).max() < 1.0 and pcm.std() > 0.02
+    done = log.of(uid)[-1]
+    assert done.metrics["rtf"] > 0
+
+
+def test_first_chunk_is_a_short_clause(piper_engine):
+    backend = piper_engine.backend
+    first_clause = np.concatenate(backend.synthesize("Sure, here is the thing."))
+    log, sink = EventLog(), RecordingSink()
+    uid = piper_engine.say(None, sink, log, "Sure, here is the thing. " + "And then a much longer sentence. " * 3)
+    log.wait_terminal([uid], timeout_s=60)
+    assert len(sink.samples(uid)) > 2 * len(first_clause)
+
+
+def test_punctuation_only_gives_done_without_audio(piper_engine):
+    log, sink = EventLog(), RecordingSink()
+    uid = piper_engine.say(None, sink, log, "... !? \U0001f600")
+    log.wait_terminal([uid], timeout_s=30)
+    assert [type(e) for e in log.of(uid)] == [Done]
+    assert len(sink.samples(uid)) == 0
+
+
+def test_empty_text_fails(piper_engine):
+    log, sink = EventLog(), RecordingSink()
+    uid = piper_engine.say(None, sink, log, "")
+    log.wait_terminal([uid])
+    assert isinstance(log.of(uid)[0], Failed)
+
+
+def test_missing_voice_file_names_it(tmp_path):
+    with pytest.raises(ModelDirError, match="nope.onnx"):
+        PiperBackend(tmp_path / "nope.onnx")

@@ -1,0 +1,44 @@
+# The two commands of the README: `make serve` and `make test`. Everything installs through here.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch comes from the machine's CPU wheel (pip's find-links); pinning it keeps pip from fetching a CUDA build.
+TORCH := torch==2.13.0
+ARGS ?=
+
+.PHONY: serve test install install-dev chromium lint bench clean
+
+serve: install
+	$(BIN)/voicertc serve $(ARGS)
+
+test: install-dev chromium
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(ARGS)
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e ".[cpu-voice,cosyvoice]"
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e ".[cpu-voice,cosyvoice,dev]"
+	touch $@
+
+# Debian's Chromium for the browser tests (never a downloaded browser).
+chromium:
+	@command -v chromium >/dev/null || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium; }
+
+lint: install-dev
+	$(BIN)/ruff check voicertc signaling tests bench
+
+bench: install-dev
+	$(BIN)/python -m bench.piper_latency
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,255 @@
+"""`SpeechTrack`: the aiortc audio track that plays a `PcmRing` out in real time. Runs on the event loop.
+
+aiortc's sender calls `recv()` in a tight loop and never paces, so this track does (webrtc.md §5):
+20 ms s16 frames at 48 kHz, one layout for the whole call, `pts` a contiguous sample counter with
+`time_base = 1/48000` (it becomes the RTP timestamp), an absolute schedule on a monotonic clock
+anchored at the first `recv()`, silence when the ring runs dry (never a stall), and no exception out
+of `recv()` other than `MediaStreamError` (anything else stops aiortc's sender for good).
+Barge-in flushes here, at the last buffer before the encoder: `interrupt()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Literal
+
+import numpy as np
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from av import AudioFrame
+
+from voicertc.audio import PcmRing, Span, fade_out
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_RATE_HZ = 48000
+TIME_BASE = Fraction(1, SAMPLE_RATE_HZ)
+
+
+@dataclass(frozen=True)
+class PlayoutEvent:
+    """Playback progress of one utterance, as sent to the peer (not as synthesized).
+
+    kind: "started" (first frame holding its samples was handed to the sender), "done" (its end mark
+    was passed), "interrupted" (flushed by `interrupt()`; no "done" follows).
+    """
+
+    kind: Literal["started", "done", "interrupted"]
+    utterance_id: str
+    played_ms: float = 0.0
+    underrun_frames: int = 0
+
+
+@dataclass(frozen=True)
+class InterruptResult:
+    """The utterance that was playing when `interrupt()` ran (None if idle) and how much of it was sent."""
+
+    utterance_id: str | None
+    played_ms: float
+
+
+@dataclass
+class TrackStats:
+    frames_sent: int = 0
+    underrun_frames: int = 0  # silence frames sent while an utterance was mid-playback
+    interrupts: int = 0
+    reanchors: int = 0  # times the schedule fell more than max_lag_ms behind and was restarted
+
+
+@dataclass
+class _Playback:
+    samples: int = 0
+    underrun_frames: int = 0
+
+
+PlayoutCallback = Callable[[PlayoutEvent], None]
+Clock = Callable[[], float]
+Sleep = Callable[[float], Awaitable[Any]]
+
+
+class SpeechTrack(MediaStreamTrack):
+    """Sends the ring's PCM as paced 48 kHz s16 frames; silence when there is none.
+
+    Owner: the event loop (recv, interrupt, callbacks). State: `_samples_sent` (= next pts), the
+    schedule anchor, the pending faded tail of an interrupted utterance, per-utterance playback.
+    """
+
+    kind = "audio"
+
+    def __init__(
+        self,
+        ring: PcmRing,
+        *,
+        frame_ms: int = 20,
+        stereo: bool = True,
+        interrupt_fade_ms: int = 10,
+        max_lag_ms: float = 200.0,
+        on_playout: PlayoutCallback | None = None,
+        clock: Clock = time.monotonic,
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
+        super().__init__()
+        if ring.sample_rate_hz != SAMPLE_RATE_HZ:
+            raise ValueError(f"SpeechTrack needs a {SAMPLE_RATE_HZ} Hz ring, got {ring.sample_rate_hz} Hz")
+        if frame_ms not in (10, 20):
+            raise ValueError(f"SpeechTrack frame_ms must be 10 or 20 (aiortc), got {frame_ms}")
+        self.ring = ring
+        self.frame_samples = SAMPLE_RATE_HZ * frame_ms // 1000
+        self.stereo = stereo
+        self.fade_samples = SAMPLE_RATE_HZ * interrupt_fade_ms // 1000
+        self.on_playout = on_playout
+        self.stats = TrackStats()
+        self._frame_s = frame_ms / 1000.0
+        self._max_lag_s = max_lag_ms / 1000.0
+        self._clock = clock
+        self._sleep = sleep
+        self._samples_sent = 0  # the next frame's pts
+        self._anchor_t: float | None = None
+        self._anchor_frame = 0
+        self._fade_tail = np.zeros(0, dtype=np.int16)
+        self._playing: str | None = None
+        self._playback: dict[str, _Playback] = {}
+
+    @classmethod
+    def from_config(cls, ring: PcmRing, config: Any, **kwargs: Any) -> SpeechTrack:
+        """Build from a `voicertc.config.WebRTCConfig` (frame_ms, stereo, interrupt_fade_ms)."""
+        return cls(
+            ring,
+            frame_ms=config.frame_ms,
+            stereo=config.stereo,
+            interrupt_fade_ms=config.interrupt_fade_ms,
+            **kwargs,
+        )
+
+    @property
+    def playing_utterance(self) -> str | None:
+        return self._playing
+
+    @property
+    def samples_sent(self) -> int:
+        """Samples handed to the sender so far; also the pts of the next frame."""
+        return self._samples_sent
+
+    # --- aiortc side ------------------------------------------------------------------------------
+
+    async def recv(self) -> AudioFrame:
+        if self.readyState != "live":
+            raise MediaStreamError
+        await self._wait_for_deadline()
+        if self.readyState != "live":
+            raise MediaStreamError
+        try:
+            pcm = self._next_pcm()
+        except Exception:  # never let aiortc's sender see anything but MediaStreamError
+            logger.exception("track %s: reading the ring failed; sending silence", self.id)
+            pcm = np.zeros(self.frame_samples, dtype=np.int16)
+        frame = self._build_frame(pcm)
+        self._samples_sent += self.frame_samples
+        self.stats.frames_sent += 1
+        return frame
+
+    async def _wait_for_deadline(self) -> None:
+        """Absolute schedule: frame n goes out at anchor + n * frame; re-anchor instead of bursting."""
+        now = self._clock()
+        if self._anchor_t is None:
+            self._anchor_t, self._anchor_frame = now, self.stats.frames_sent
+        deadline = self._anchor_t + (self.stats.frames_sent - self._anchor_frame) * self._frame_s
+        if now - deadline > self._max_lag_s:
+            logger.info("track %s: %.0f ms behind schedule, re-anchoring", self.id, (now - deadline) * 1000)
+            self._anchor_t, self._anchor_frame = now, self.stats.frames_sent
+            self.stats.reanchors += 1
+        elif deadline > now:
+            await self._sleep(deadline - now)
+
+    def _build_frame(self, pcm: np.ndarray) -> AudioFrame:
+        # pcm: [frame_samples] int16 mono -> packed s16 frame [1, frame_samples * channels]
+        if self.stereo:
+            frame = AudioFrame.from_ndarray(np.repeat(pcm, 2)[None, :], format="s16", layout="stereo")
+        else:
+            frame = AudioFrame.from_ndarray(pcm[None, :], format="s16", layout="mono")
+        frame.sample_rate = SAMPLE_RATE_HZ
+        frame.pts = self._samples_sent
+        frame.time_base = TIME_BASE
+        return frame
+
+    def _next_pcm(self) -> np.ndarray:
+        # -> [frame_samples] int16: the faded tail of an interrupt first, then the ring, then silence
+        n = self.frame_samples
+        tail, self._fade_tail = self._fade_tail[:n], self._fade_tail[n:]
+        read = self.ring.read(n - len(tail))
+        self._account(read.spans)
+        pcm = np.concatenate((tail, read.pcm)) if len(tail) else read.pcm
+        if len(pcm) < n:
+            if self._playing is not None:
+                self.stats.underrun_frames += 1
+                self._playback[self._playing].underrun_frames += 1
+            pcm = np.concatenate((pcm, np.zeros(n - len(pcm), dtype=np.int16)))
+        return pcm
+
+    # --- playout bookkeeping ------------------------------------------------------------------------
+
+    def _account(self, spans: tuple[Span, ...]) -> None:
+        for span in spans:
+            uid = span.utterance_id
+            if span.samples:
+                if uid not in self._playback:
+                    self._playback[uid] = _Playback()
+                    self._emit(PlayoutEvent("started", uid))
+                self._playback[uid].samples += span.samples
+                self._playing = uid
+            if span.ended:
+                playback = self._playback.pop(uid, _Playback())
+                if self._playing == uid:
+                    self._playing = None
+                played_ms = playback.samples * 1000.0 / SAMPLE_RATE_HZ
+                logger.info(
+                    "utterance %s: playout done, played_ms=%.0f underruns=%d",
+                    uid,
+                    played_ms,
+                    playback.underrun_frames,
+                )
+                self._emit(PlayoutEvent("done", uid, played_ms, playback.underrun_frames))
+
+    def _emit(self, event: PlayoutEvent) -> None:
+        if self.on_playout is None:
+            return
+        try:
+            self.on_playout(event)
+        except Exception:
+            logger.exception("utterance %s: on_playout callback failed", event.utterance_id)
+
+    # --- barge-in ---------------------------------------------------------------------------------
+
+    def interrupt(self) -> InterruptResult:
+        """Flush: fade out the next `interrupt_fade_ms` of the playing utterance, then silence.
+
+        The ring is cleared (generation bumped) so late writes of cancelled utterances are dropped.
+        `played_ms` counts the faded tail, which is sent on the next frame(s).
+        """
+        uid = self._playing
+        head = self.ring.clear(head_samples=self.fade_samples if uid is not None else 0)
+        self.stats.interrupts += 1
+        if uid is None:
+            return InterruptResult(None, 0.0)
+        # Keep only the playing utterance's continuation: a following utterance must not start here.
+        spans, kept = [], 0
+        for span in head.spans:
+            if span.utterance_id != uid:
+                break
+            spans.append(span)
+            kept += span.samples
+        self._fade_tail = np.concatenate((self._fade_tail, fade_out(head.pcm[:kept])))
+        played = self._playback[uid].samples + kept
+        self._account(tuple(spans))
+        if self._playing == uid:
+            playback = self._playback.pop(uid)
+            self._playing = None
+            played_ms = playback.samples * 1000.0 / SAMPLE_RATE_HZ
+            logger.info("utterance %s: interrupted after played_ms=%.0f", uid, played_ms)
+            self._emit(PlayoutEvent("interrupted", uid, played_ms, playback.underrun_frames))
+        self._playback.clear()
+        return InterruptResult(uid, played * 1000.0 / SAMPLE_RATE_HZ)

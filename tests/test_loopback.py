@@ -58,11 +58,16 @@ class Receiver:
         return [(pos, pcm) for pos, pcm in self.frames if rms(pcm) > SILENT_RMS]
 
     async def wait_for(self, condition, timeout_s: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not condition():
-            assert time.monotonic() < deadline, "timed out waiting for received audio"
-            assert not self.task.done(), f"receiver stopped: {self.task}"
-            await asyncio.sleep(0.02)
+        await poll(lambda: condition() or self.task.done(), timeout_s)
+        assert not self.task.done(), f"receiver stopped: {self.task}"
+
+
+async def poll(condition, timeout_s: float = 10.0) -> None:
+    """Wait until `condition()` holds (checked every 20 ms), failing after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        await asyncio.sleep(0.02)
 
 
 def rms(pcm: np.ndarray) -> float:
@@ -126,8 +131,7 @@ async def test_sine_arrives_and_interrupt_silences_within_100ms(loopback_ice):
     writer = write_sine_from_thread(sink, stop)
     client = server = receiver = None
     try:
-        while ring.queued_ms < 500:
-            await asyncio.sleep(0.01)
+        await poll(lambda: ring.queued_ms >= 500)
         client, server, remote = await connect(track)
         receiver = Receiver(remote)
         await receiver.wait_for(lambda: len(receiver.loud()) >= 25)

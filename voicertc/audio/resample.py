@@ -19,14 +19,18 @@ class StreamingResampler:
     State: soxr's filter history. Owned by one thread (the engine's); not thread-safe.
     """
 
-    def __init__(self, in_rate_hz: int, out_rate_hz: int = OUTPUT_SAMPLE_RATE_HZ, quality: str = "HQ") -> None:
+    def __init__(
+        self, in_rate_hz: int, out_rate_hz: int = OUTPUT_SAMPLE_RATE_HZ, quality: str = "HQ"
+    ) -> None:
         if in_rate_hz <= 0 or out_rate_hz <= 0:
             raise ValueError(f"StreamingResampler: rates must be > 0, got {in_rate_hz} -> {out_rate_hz}")
         self.in_rate_hz = int(in_rate_hz)
         self.out_rate_hz = int(out_rate_hz)
         self._stream: soxr.ResampleStream | None = None
         if self.in_rate_hz != self.out_rate_hz:
-            self._stream = soxr.ResampleStream(self.in_rate_hz, self.out_rate_hz, 1, dtype="float32", quality=quality)
+            self._stream = soxr.ResampleStream(
+                self.in_rate_hz, self.out_rate_hz, 1, dtype="float32", quality=quality
+            )
         self._flushed = False
 
     @property

@@ -65,7 +65,9 @@ class PcmRing:
 
     def __init__(self, high_water_ms: float = 4000.0, margin_ms: float = 500.0) -> None:
         if high_water_ms <= 0 or margin_ms < 0:
-            raise ValueError(f"PcmRing: high_water_ms must be > 0 and margin_ms >= 0, got {high_water_ms}, {margin_ms}")
+            raise ValueError(
+                f"PcmRing: high_water_ms must be > 0 and margin_ms >= 0, got {high_water_ms}, {margin_ms}"
+            )
         self.sample_rate_hz = RING_SAMPLE_RATE_HZ
         self.high_water_samples = int(round(high_water_ms * self.sample_rate_hz / 1000))
         self.capacity_samples = self.high_water_samples + int(round(margin_ms * self.sample_rate_hz / 1000))

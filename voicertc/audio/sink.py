@@ -77,7 +77,9 @@ class RingSink:
         stream = self._streams.get(utterance_id)
         if stream is not None and stream.sample_rate_hz != sample_rate_hz:
             # A new input rate mid-utterance: finish the old stream, start one for the new rate.
-            logger.debug("utterance %s: input rate %d -> %d Hz", utterance_id, stream.sample_rate_hz, sample_rate_hz)
+            logger.debug(
+                "utterance %s: input rate %d -> %d Hz", utterance_id, stream.sample_rate_hz, sample_rate_hz
+            )
             self.ring.write(float_to_int16(stream.resampler.flush()), utterance_id, generation)
             stream = None
         if stream is None:

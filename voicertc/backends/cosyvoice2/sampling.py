@@ -1,0 +1,112 @@
+"""Speech-token sampling of the CosyVoice2 LLM: repetition-aware sampling (RAS) over a nucleus, or greedy.
+
+RAS is the official `ras_sampling` (VALL-E 2): draw from the nucleus (top-p 0.8, at most top-k 25, the token
+that crosses top-p included); if the drawn id already occurs in the last `win_size` decoded tokens at least
+`win_size * tau_r` times, ban it and draw again from the whole distribution. The random draws are made with
+`torch.multinomial` on tensors of the same size and dtype as the official code, so a run after
+`torch.manual_seed(s)` (CPU) reproduces the official tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from voicertc.errors import ModelDirError
+
+SamplingMode = Literal["ras", "greedy"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The yaml `llm.sampling` node (`!name:cosyvoice.utils.common.ras_sampling`)."""
+
+    top_p: float = 0.8
+    top_k: int = 25
+    win_size: int = 10
+    tau_r: float = 0.1
+
+    @classmethod
+    def from_yaml(cls, node: Any) -> SamplingParams:
+        if node is None:
+            return cls()
+        if not isinstance(node, dict):
+            raise ModelDirError(f"cosyvoice2.yaml: llm.sampling should be a mapping, got {node!r}")
+        tag = node.get("__tag__", "")
+        if tag and not tag.endswith("ras_sampling"):
+            raise ModelDirError(f"cosyvoice2.yaml: llm.sampling is {tag!r}; only ras_sampling is supported")
+        defaults = cls()
+        return cls(
+            top_p=float(node.get("top_p", defaults.top_p)),
+            top_k=int(node.get("top_k", defaults.top_k)),
+            win_size=int(node.get("win_size", defaults.win_size)),
+            tau_r=float(node.get("tau_r", defaults.tau_r)),
+        )
+
+
+def nucleus_size(sorted_probs: Tensor, top_p: float, top_k: int) -> int:
+    """How many of the sorted probabilities the official loop keeps.
+
+    A token is added while the running float32 sum is below top_p and fewer than top_k are kept, so
+    the token that crosses top_p is included.
+    """
+    head = sorted_probs[:top_k].float().cpu().numpy()
+    limit = np.float32(top_p)
+    cum = np.float32(0.0)
+    count = 0
+    for p in head:
+        if not (cum < limit and count < top_k):
+            break
+        cum = np.float32(cum + p)
+        count += 1
+    return count
+
+
+def ras_sample(
+    logp: Tensor,
+    decoded_tokens: list[int],
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> int:
+    """One RAS draw from log-probabilities `logp` [V] (eos already masked when required)."""
+    # logp: [V] float -> one token id
+    probs_sorted, ids_sorted = logp.softmax(dim=0).sort(descending=True, stable=True)
+    n = nucleus_size(probs_sorted, params.top_p, params.top_k)
+    pick = torch.multinomial(probs_sorted[:n], 1, replacement=True, generator=generator)
+    token = int(ids_sorted[pick].item())
+    window = decoded_tokens[-params.win_size :] if params.win_size > 0 else []
+    repeats = sum(1 for t in window if t == token)
+    if repeats >= params.win_size * params.tau_r:
+        banned = logp.clone()
+        banned[token] = -float("inf")
+        token = int(torch.multinomial(banned.softmax(dim=0), 1, replacement=True, generator=generator).item())
+    return token
+
+
+def greedy_sample(logp: Tensor) -> int:
+    """Argmax (first index on ties), what the official sampler gives with top_k=1."""
+    return int(torch.argmax(logp).item())
+
+
+def sample_token(
+    logits: Tensor,
+    decoded_tokens: list[int],
+    *,
+    mode: SamplingMode,
+    params: SamplingParams,
+    ban_ids: tuple[int, ...] = (),
+    generator: torch.Generator | None = None,
+) -> int:
+    """Official `sampling_ids`: log-softmax of the raw logits [V], banned ids set to -inf, then sample."""
+    logp = logits.float().log_softmax(dim=-1)
+    if ban_ids:
+        logp[list(ban_ids)] = -float("inf")
+    if mode == "greedy":
+        return greedy_sample(logp)
+    if mode == "ras":
+        return ras_sample(logp, decoded_tokens, params, generator)
+    raise ValueError(f"unknown sampling mode {mode!r} (expected 'ras' or 'greedy')")

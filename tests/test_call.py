@@ -6,8 +6,8 @@ import asyncio
 import contextlib
 
 import pytest
-
 from call_helpers import PeerClient, fake_config, rms
+
 from voicertc.engine.factory import create_engine
 from voicertc.webrtc import patch_aioice_loopback
 from voicertc.webrtc.call import Call

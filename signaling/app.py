@@ -1,0 +1,139 @@
+"""The aiohttp application: /v1 API, /healthz, /metrics, /openapi.json and the web page at /.
+
+`create_app(config)` builds the engine the config names (or takes one), starts it with the app and
+stops it on cleanup after every call is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from aiohttp import web
+
+from signaling.errors import ApiError, error_response
+from signaling.metrics import Metrics
+from signaling.openapi import openapi_spec
+from signaling.registry import CallRegistry
+from signaling.routes import REGISTRY, routes
+from voicertc.config import Config
+from voicertc.engine.factory import create_engine
+from voicertc.engine.protocol import Engine
+
+logger = logging.getLogger(__name__)
+
+CONFIG = web.AppKey("config", Config)
+ENGINE = web.AppKey("engine", object)
+METRICS = web.AppKey("metrics", Metrics)
+WEB_DIR = Path(__file__).resolve().parents[1] / "web"
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def create_app(config: Config, engine: Engine | None = None) -> web.Application:
+    """The whole server as an aiohttp app; pass `engine` to share one (it is started but not stopped)."""
+    app = web.Application(middlewares=[_errors, _auth(config.auth.tokens)], client_max_size=4 * 1024 * 1024)
+    owns_engine = engine is None
+    engine = engine if engine is not None else create_engine(config)
+    metrics = Metrics()
+    app[CONFIG] = config
+    app[ENGINE] = engine
+    app[METRICS] = metrics
+    app[REGISTRY] = CallRegistry(engine, config, metrics)
+    app.add_routes(routes)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/openapi.json", _openapi)
+    static_dir = Path(config.server.static_dir) if config.server.static_dir else WEB_DIR
+    app.router.add_get("/", _index(static_dir / "index.html"))
+    app.router.add_static("/static/", static_dir)
+
+    async def start_engine(_app: web.Application) -> None:
+        engine.start()
+
+    async def close_calls(_app: web.Application) -> None:
+        await app[REGISTRY].close_all()
+
+    async def stop_engine(_app: web.Application) -> None:
+        if owns_engine:
+            await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+
+    app.on_startup.append(start_engine)
+    app.on_shutdown.append(close_calls)
+    app.on_cleanup.append(stop_engine)
+    return app
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves as JSON `{"error": {"code", "message"}}`."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        if exc.status >= 500:
+            logger.warning("%s %s -> %d %s", request.method, request.path, exc.status, exc.message)
+        return error_response(exc.status, exc.code, exc.message, exc.headers)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(
+            exc.status, "http_error"
+        )
+        return error_response(exc.status, code, exc.reason or exc.text or code)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        logger.exception("%s %s failed", request.method, request.path)
+        return error_response(500, "internal_error", "internal server error (see the server log)")
+
+
+def _auth(tokens: tuple[str, ...]) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """Bearer tokens on /v1 when `[auth] tokens` is set: 401 without a token, 403 with a wrong one."""
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not tokens or not request.path.startswith("/v1"):
+            return await handler(request)
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return error_response(
+                401, "unauthorized", "missing 'Authorization: Bearer <token>'", {"WWW-Authenticate": "Bearer"}
+            )
+        if not any(hmac.compare_digest(token.strip().encode(), t.encode()) for t in tokens):
+            return error_response(403, "forbidden", "bearer token not accepted")
+        return await handler(request)
+
+    return auth
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    running = bool(getattr(engine, "running", True))
+    body = {
+        "status": "ok" if running else "engine_stopped",
+        "engine": request.app[CONFIG].engine.backend,
+        "voices": engine.voices(),  # type: ignore[attr-defined]
+        "active_calls": len(request.app[REGISTRY].calls),
+    }
+    return web.json_response(body, status=200 if running else 503)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    return web.Response(text=request.app[METRICS].render(), content_type="text/plain", charset="utf-8")
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_spec(request.app[CONFIG]))
+
+
+def _index(path: Path) -> Handler:
+    async def index(_request: web.Request) -> web.StreamResponse:
+        if not path.is_file():
+            raise ApiError(404, "not_found", f"web page not found at {path}")
+        return web.FileResponse(path)
+
+    return index

@@ -1,0 +1,92 @@
+"""A tiny Prometheus text-format registry: the few counters, gauges and one histogram voicertc exports.
+
+Owned by the event loop (no locks): every update happens on the loop thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+CALL_COUNTERS = {
+    "utterances": "Utterances requested.",
+    "interrupts": "Interrupts (barge-ins) that cut an utterance.",
+    "underrun_frames": "Silence frames sent while an utterance was playing.",
+    "frames_sent": "Audio frames sent.",
+}
+TTFA_BUCKETS_S = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0)
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    return "{" + inner + "}"
+
+
+@dataclass
+class Histogram:
+    buckets_s: tuple[float, ...] = TTFA_BUCKETS_S
+    counts: list[int] = field(default_factory=list)
+    total: int = 0
+    sum_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.buckets_s)
+
+    def observe(self, value_s: float) -> None:
+        self.total += 1
+        self.sum_s += value_s
+        for i, bound in enumerate(self.buckets_s):
+            if value_s <= bound:
+                self.counts[i] += 1
+
+
+@dataclass
+class Metrics:
+    """Process-wide numbers for /metrics. `active_calls` and the underrun total are read through callbacks."""
+
+    calls_total: int = 0
+    errors_total: dict[str, int] = field(default_factory=dict)
+    ttfa: Histogram = field(default_factory=Histogram)
+    closed_calls: dict[str, int] = field(default_factory=dict)  # per-call counters of calls already closed
+    active_calls: Callable[[], int] = lambda: 0
+    live_calls: Callable[[], dict[str, int]] = lambda: {}  # the same counters summed over open calls
+
+    def add_closed(self, counters: dict[str, int]) -> None:
+        for name, value in counters.items():
+            self.closed_calls[name] = self.closed_calls.get(name, 0) + value
+
+    def call_total(self, name: str) -> int:
+        return self.closed_calls.get(name, 0) + self.live_calls().get(name, 0)
+
+    def error(self, code: str) -> None:
+        self.errors_total[code] = self.errors_total.get(code, 0) + 1
+
+    def render(self) -> str:
+        """The Prometheus text exposition (version 0.0.4)."""
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_text: str, samples: list[tuple[dict[str, str], float]]) -> None:
+            lines.append(f"# HELP {name} {help_text}")
+            lines.append(f"# TYPE {name} {kind}")
+            lines.extend(f"{name}{_labels(lab)} {value:g}" for lab, value in samples)
+
+        metric("voicertc_active_calls", "gauge", "Calls currently open.", [({}, self.active_calls())])
+        metric("voicertc_calls_total", "counter", "Calls accepted.", [({}, self.calls_total)])
+        for name, help_text in CALL_COUNTERS.items():
+            metric(f"voicertc_{name}_total", "counter", help_text, [({}, self.call_total(name))])
+        errors = [({"code": code}, n) for code, n in sorted(self.errors_total.items())] or [({}, 0)]
+        metric("voicertc_errors_total", "counter", "Errors reported to clients, by code.", errors)
+        self._render_histogram(lines)
+        return "\n".join(lines) + "\n"
+
+    def _render_histogram(self, lines: list[str]) -> None:
+        name = "voicertc_ttfa_seconds"
+        lines.append(f"# HELP {name} Time from a speak request to its first audio frame sent.")
+        lines.append(f"# TYPE {name} histogram")
+        for bound, count in zip(self.ttfa.buckets_s, self.ttfa.counts, strict=True):
+            lines.append(f'{name}_bucket{{le="{bound:g}"}} {count}')
+        lines.append(f'{name}_bucket{{le="+Inf"}} {self.ttfa.total}')
+        lines.append(f"{name}_sum {self.ttfa.sum_s:g}")
+        lines.append(f"{name}_count {self.ttfa.total}")

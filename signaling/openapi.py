@@ -1,0 +1,219 @@
+"""The HTTP API written down as OpenAPI 3.1, served at /openapi.json (limits filled in from the config)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from voicertc.config import Config
+
+JSON = "application/json"
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {JSON: {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+
+def _json(description: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"description": description, "content": {JSON: {"schema": schema}}}
+
+
+CALL_ID = {"name": "call_id", "in": "path", "required": True, "schema": {"type": "string"}}
+UNKNOWN = _error("No such call (hung up, timed out, or never existed).")
+
+
+def _paths(config: Config) -> dict[str, Any]:
+    limit = config.limits.max_text_chars
+    return {
+        "/v1/calls": {
+            "post": {
+                "summary": "Start a call (WHIP-shaped): send an SDP offer, get the SDP answer.",
+                "description": "The offer must have an audio m-line the browser can receive on (recvonly or "
+                "sendrecv) and may create a data channel named `events`. The answer carries every server "
+                "candidate (no server-side trickle).",
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/sdp": {"schema": {"type": "string"}},
+                        JSON: {"schema": {"$ref": "#/components/schemas/Offer"}},
+                    },
+                },
+                "responses": {
+                    "201": {
+                        "description": "Call created. `Location: /v1/calls/{id}`. Body: the SDP answer "
+                        "(application/sdp) or `{id, sdp, type: answer}` (JSON), matching the request.",
+                        "headers": {"Location": {"schema": {"type": "string"}}},
+                        "content": {
+                            "application/sdp": {"schema": {"type": "string"}},
+                            JSON: {"schema": {"$ref": "#/components/schemas/Answer"}},
+                        },
+                    },
+                    "400": _error(
+                        "Malformed SDP (`bad_sdp`), no receivable audio (`no_audio`), bad JSON, "
+                        "unknown voice."
+                    ),
+                    "415": _error("Content-Type is neither application/sdp nor application/json."),
+                    "503": _error(
+                        f"{config.limits.max_calls} calls are open (limits.max_calls); see `Retry-After`."
+                    ),
+                },
+            }
+        },
+        "/v1/calls/{call_id}": {
+            "parameters": [CALL_ID],
+            "get": {
+                "summary": "Call state and counters.",
+                "responses": {"200": _json("The call.", {"type": "object"}), "404": UNKNOWN},
+            },
+            "patch": {
+                "summary": "Trickle ICE: remote candidates as an SDP fragment (RFC 8840).",
+                "description": "Supported: `a=candidate` lines (with `a=mid`) and `a=end-of-candidates`. "
+                "ICE restart (`If-Match: *`) is not supported and answers 422.",
+                "requestBody": {
+                    "content": {"application/trickle-ice-sdpfrag": {"schema": {"type": "string"}}}
+                },
+                "responses": {
+                    "204": {"description": "Candidates added."},
+                    "400": _error("A line that is not SDP or a candidate that does not parse."),
+                    "404": UNKNOWN,
+                    "415": _error("Content-Type is not application/trickle-ice-sdpfrag."),
+                    "422": _error("ICE restart requested (not supported)."),
+                },
+            },
+            "delete": {
+                "summary": "Hang up: the call's engine state, audio buffer and tasks are freed.",
+                "responses": {"200": _json("Closed.", {"type": "object"}), "404": UNKNOWN},
+            },
+        },
+        "/v1/calls/{call_id}/speak": {
+            "parameters": [CALL_ID],
+            "post": {
+                "summary": "Speak text into the call; utterances of one call play in order.",
+                "description": 'JSON: a whole text. NDJSON (`application/x-ndjson`): one `{"text": delta}` '
+                "per line, synthesized as the lines arrive (an LLM stream); `voice` and `interrupt` then go "
+                "in the query string; the response comes when the body ends. A malformed line fails that "
+                "utterance (an `error` event, 400 here); the call stays up.",
+                "requestBody": {
+                    "content": {
+                        JSON: {"schema": {"$ref": "#/components/schemas/Speak"}},
+                        "application/x-ndjson": {"schema": {"type": "string"}},
+                    }
+                },
+                "parameters": [
+                    {"name": "voice", "in": "query", "schema": {"type": "string"}},
+                    {"name": "interrupt", "in": "query", "schema": {"type": "boolean"}},
+                ],
+                "responses": {
+                    "202": _json(
+                        "Queued.", {"type": "object", "properties": {"utterance_id": {"type": "string"}}}
+                    ),
+                    "400": _error("Empty text, bad JSON, malformed NDJSON line, unknown voice."),
+                    "404": UNKNOWN,
+                    "413": _error(f"Text longer than {limit} characters (limits.max_text_chars)."),
+                    "415": _error("Content-Type is neither application/json nor application/x-ndjson."),
+                },
+            },
+        },
+        "/v1/calls/{call_id}/interrupt": {
+            "parameters": [CALL_ID],
+            "post": {
+                "summary": "Barge-in: stop the utterance playing (short fade) and drop every queued one.",
+                "responses": {
+                    "200": _json(
+                        "What was cut (utterance_id null when nothing was pending).",
+                        {"$ref": "#/components/schemas/Interrupted"},
+                    ),
+                    "404": UNKNOWN,
+                },
+            },
+        },
+        "/v1/calls/{call_id}/events": {
+            "parameters": [CALL_ID],
+            "get": {
+                "summary": "Server-sent events mirroring the `events` data channel, then `call.closed`.",
+                "responses": {
+                    "200": {
+                        "description": "text/event-stream of `event: <type>` / `data: <json>`.",
+                        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                    },
+                    "404": UNKNOWN,
+                },
+            },
+        },
+        "/healthz": {
+            "get": {
+                "summary": "Liveness.",
+                "responses": {
+                    "200": _json("OK.", {"type": "object"}),
+                    "503": _json("Engine stopped.", {"type": "object"}),
+                },
+            }
+        },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus text format: active calls, utterances, TTFA histogram, "
+                "underrun frames, interrupts, errors.",
+                "responses": {"200": {"description": "text/plain; version=0.0.4"}},
+            }
+        },
+    }
+
+
+def _schemas() -> dict[str, Any]:
+    string = {"type": "string"}
+    return {
+        "Error": {
+            "type": "object",
+            "required": ["error"],
+            "properties": {
+                "error": {
+                    "type": "object",
+                    "required": ["code", "message"],
+                    "properties": {"code": string, "message": string},
+                }
+            },
+        },
+        "Offer": {
+            "type": "object",
+            "required": ["sdp", "type"],
+            "properties": {"sdp": string, "type": {"const": "offer"}, "voice": string},
+        },
+        "Answer": {
+            "type": "object",
+            "properties": {"id": string, "sdp": string, "type": {"const": "answer"}},
+        },
+        "Speak": {
+            "type": "object",
+            "required": ["text"],
+            "properties": {"text": string, "voice": string, "interrupt": {"type": "boolean"}},
+        },
+        "Interrupted": {
+            "type": "object",
+            "properties": {"utterance_id": {"type": ["string", "null"]}, "played_ms": {"type": "number"}},
+        },
+        "Event": {
+            "description": "Data channel `events` and SSE. Client -> server: {type: speak, text, voice?, "
+            "interrupt?}, {type: interrupt}, {type: ping} (keep-alive; answered with pong). Server -> client: "
+            "speech.queued {utterance_id}, speech.started {utterance_id, ttfa_ms}, speech.done "
+            "{utterance_id, played_ms}, speech.interrupted {utterance_id, played_ms}, error {code, message, "
+            "utterance_id?}; SSE ends with call.closed {reason}.",
+            "type": "object",
+            "required": ["type"],
+            "properties": {"type": string},
+        },
+    }
+
+
+def openapi_spec(config: Config) -> dict[str, Any]:
+    bearer = {"bearer": {"type": "http", "scheme": "bearer"}}
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "voicertc",
+            "version": "0.1.0",
+            "description": "Real-time WebRTC text-to-speech calls. With `[auth] tokens` set, every /v1 "
+            "request needs `Authorization: Bearer <token>` (401 without, 403 wrong).",
+        },
+        "paths": _paths(config),
+        "components": {"schemas": _schemas(), "securitySchemes": bearer},
+        "security": [{"bearer": []}] if config.auth.tokens else [],
+    }

@@ -26,9 +26,8 @@ def fade_in_out(fade_in: Tensor, fade_out: Tensor, window: Tensor) -> Tensor:
     # fade_in: [..., N >= ov], fade_out: [..., M >= ov], window: [2 * ov] -> [..., N]
     overlap = window.shape[0] // 2
     if fade_in.shape[-1] < overlap or fade_out.shape[-1] < overlap:
-        raise ValueError(
-            f"fade_in_out needs {overlap} samples on both sides, got {fade_in.shape[-1]} and {fade_out.shape[-1]}"
-        )
+        sizes = f"{fade_in.shape[-1]} and {fade_out.shape[-1]}"
+        raise ValueError(f"fade_in_out needs {overlap} samples on both sides, got {sizes}")
     window = window.to(fade_in.device)
     out = fade_in.clone()
     head = fade_in[..., :overlap] * window[:overlap] + fade_out[..., -overlap:] * window[overlap:]

@@ -72,18 +72,8 @@ class HiftConfig:
     @staticmethod
     def from_yaml(node: dict[str, Any]) -> HiftConfig:
         """Reads the `hift` node of cosyvoice2.yaml (as `load_yaml` returns it)."""
-        if tag_of(node) != HIFT_TAG:
-            raise ModelDirError(f"cosyvoice2.yaml: hift must be !{HIFT_TAG}, got {tag_of(node)!r}")
-        missing = [key for key in _YAML_KEYS if key not in node]
-        if missing:
-            raise ModelDirError(f"cosyvoice2.yaml: hift is missing {', '.join(missing)}")
+        _check_yaml_node(node)
         f0 = node["f0_predictor"]
-        if tag_of(f0) != F0_TAG or int(f0.get("num_class", 1)) != 1:
-            raise ModelDirError(f"cosyvoice2.yaml: hift.f0_predictor must be !{F0_TAG} with num_class 1")
-        if int(f0.get("in_channels", node["in_channels"])) != int(node["in_channels"]):
-            raise ModelDirError("cosyvoice2.yaml: hift.f0_predictor.in_channels differs from hift.in_channels")
-        if int(node["sampling_rate"]) == 22050:
-            raise ModelDirError("cosyvoice2.yaml: hift.sampling_rate 22050 (SineGen v1) is not supported")
         return HiftConfig(
             in_channels=int(node["in_channels"]),
             base_channels=int(node["base_channels"]),
@@ -104,6 +94,22 @@ class HiftConfig:
             audio_limit=float(node["audio_limit"]),
             f0_cond_channels=int(f0["cond_channels"]),
         )
+
+
+def _check_yaml_node(node: dict[str, Any]) -> None:
+    where = "cosyvoice2.yaml: hift"
+    if tag_of(node) != HIFT_TAG:
+        raise ModelDirError(f"{where} must be !{HIFT_TAG}, got {tag_of(node)!r}")
+    missing = [key for key in _YAML_KEYS if key not in node]
+    if missing:
+        raise ModelDirError(f"{where} is missing {', '.join(missing)}")
+    f0 = node["f0_predictor"]
+    if tag_of(f0) != F0_TAG or int(f0.get("num_class", 1)) != 1:
+        raise ModelDirError(f"{where}.f0_predictor must be !{F0_TAG} with num_class 1")
+    if int(f0.get("in_channels", node["in_channels"])) != int(node["in_channels"]):
+        raise ModelDirError(f"{where}.f0_predictor.in_channels differs from {where}.in_channels")
+    if int(node["sampling_rate"]) == 22050:
+        raise ModelDirError(f"{where}.sampling_rate 22050 (SineGen v1) is not supported")
 
 
 class Snake(nn.Module):
@@ -150,7 +156,8 @@ class F0Predictor(nn.Module):
         super().__init__()
         layers: list[nn.Module] = []
         for i in range(5):
-            layers += [nn.Conv1d(in_channels if i == 0 else cond_channels, cond_channels, 3, padding=1), nn.ELU()]
+            conv_in = in_channels if i == 0 else cond_channels
+            layers += [nn.Conv1d(conv_in, cond_channels, 3, padding=1), nn.ELU()]
         self.condnet = nn.Sequential(*layers)
         self.classifier = nn.Linear(cond_channels, 1)
 
@@ -178,37 +185,40 @@ class HiFTGenerator(nn.Module):
                 voiced_threshold_hz=c.nsf_voiced_threshold_hz,
             )
         )
-        self.conv_pre = nn.Conv1d(c.in_channels, c.base_channels, 7, padding=3)
         stages = len(c.upsample_rates)
         channels = [c.base_channels // 2**i for i in range(stages + 1)]
+        self.conv_pre = nn.Conv1d(c.in_channels, c.base_channels, 7, padding=3)
         self.ups = nn.ModuleList(
             nn.ConvTranspose1d(channels[i], channels[i + 1], k, u, padding=(k - u) // 2)
             for i, (u, k) in enumerate(zip(c.upsample_rates, c.upsample_kernel_sizes, strict=True))
         )
-        # The excitation STFT runs at hop istft_hop; stage i sees it downsampled to its own rate.
-        rates = [1, *reversed(c.upsample_rates)][:stages]
-        down_strides = list(reversed([math.prod(rates[: i + 1]) for i in range(stages)]))
-        stft_channels = c.istft_n_fft + 2
-        self.source_downs = nn.ModuleList(
-            nn.Conv1d(stft_channels, channels[i + 1], 1)
-            if s == 1
-            else nn.Conv1d(stft_channels, channels[i + 1], 2 * s, s, padding=s // 2)
-            for i, s in enumerate(down_strides)
-        )
-        self.source_resblocks = nn.ModuleList(
-            ResBlock(channels[i + 1], k, d)
-            for i, (k, d) in enumerate(
-                zip(c.source_resblock_kernel_sizes, c.source_resblock_dilation_sizes, strict=True)
-            )
-        )
+        self._build_source_fusion(channels[1:])
         self.resblocks = nn.ModuleList(
             ResBlock(channels[i + 1], k, d)
             for i in range(stages)
             for k, d in zip(c.resblock_kernel_sizes, c.resblock_dilation_sizes, strict=True)
         )
-        self.conv_post = nn.Conv1d(channels[-1], stft_channels, 7, padding=3)
+        self.conv_post = nn.Conv1d(channels[-1], c.istft_n_fft + 2, 7, padding=3)
         window = torch.hann_window(c.istft_n_fft, periodic=True, dtype=torch.float64).float()
         self.register_buffer("stft_window", window, persistent=False)
+
+    def _build_source_fusion(self, stage_channels: list[int]) -> None:
+        """Per upsampling stage: a strided conv bringing the excitation STFT (hop istft_hop) to the
+        stage's frame rate, then a ResBlock; its output is added to the stage's activations."""
+        c = self.config
+        rates = [1, *reversed(c.upsample_rates)][: len(stage_channels)]
+        strides = list(reversed([math.prod(rates[: i + 1]) for i in range(len(rates))]))
+        stft_channels = c.istft_n_fft + 2
+        self.source_downs = nn.ModuleList(
+            nn.Conv1d(stft_channels, ch, 1) if s == 1 else nn.Conv1d(stft_channels, ch, 2 * s, s, s // 2)
+            for ch, s in zip(stage_channels, strides, strict=True)
+        )
+        self.source_resblocks = nn.ModuleList(
+            ResBlock(ch, k, d)
+            for ch, k, d in zip(
+                stage_channels, c.source_resblock_kernel_sizes, c.source_resblock_dilation_sizes, strict=True
+            )
+        )
 
     def weight_normed_layers(self) -> list[str]:
         """Names of the layers whose weight the official checkpoint stores weight-normed."""
@@ -267,7 +277,7 @@ class HiFTGenerator(nn.Module):
                 x = F.pad(x, (1, 0), mode="reflect")
             x = x + self.source_resblocks[i](self.source_downs[i](source_stft))
             blocks = self.resblocks[i * kernels : (i + 1) * kernels]
-            x = sum((block(x) for block in blocks), torch.zeros_like(x)) / kernels
+            x = sum(block(x) for block in blocks) / kernels
         x = self.conv_post(F.leaky_relu(x))
         bins = c.istft_n_fft // 2 + 1
         magnitude = torch.exp(x[:, :bins]).clamp(max=1e2)

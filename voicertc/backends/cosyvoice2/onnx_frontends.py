@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,6 +19,9 @@ from torch import Tensor
 
 from voicertc.backends.cosyvoice2.features import kaldi_fbank, whisper_log_mel
 from voicertc.errors import InputError, ModelDirError
+
+if TYPE_CHECKING:
+    import onnxruntime
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +36,10 @@ class _LazySession:
         if not self.path.is_file():
             raise ModelDirError(f"{self.path}: ONNX model not found")
         self._threads = threads
-        self._session = None
+        self._session: onnxruntime.InferenceSession | None = None
         self._lock = threading.Lock()
 
-    def session(self):  # -> onnxruntime.InferenceSession
+    def session(self) -> onnxruntime.InferenceSession:
         with self._lock:
             if self._session is None:
                 import onnxruntime as ort

@@ -1,0 +1,182 @@
+"""Loads an official CosyVoice2 model directory (cosyvoice.md §1) into our modules.
+
+Reads `cosyvoice2.yaml` for every hyperparameter (tags are checked, nothing is imported), then
+`llm.pt`, `flow.pt`, `hift.pt` strictly, `CosyVoice-BlankEN/config.json` for the Qwen2 backbone and the
+optional `spk2info.pt`. The parts a voice may never need — `campplus.onnx`, `speech_tokenizer_v2.onnx`
+and the text tokenizer — are opened on first use, so a directory without them still loads; using a
+missing one raises ModelDirError naming the file.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from voicertc.backends.cosyvoice2.flow import CausalFlow, load_flow_state_dict
+from voicertc.backends.cosyvoice2.flow_config import FlowConfig
+from voicertc.backends.cosyvoice2.hift import HiftConfig, HiFTGenerator
+from voicertc.backends.cosyvoice2.hift_weights import load_hift_state_dict
+from voicertc.backends.cosyvoice2.llm import QWEN2LM_TAG, LlmConfig, Qwen2LM, build_llm
+from voicertc.backends.cosyvoice2.onnx_frontends import CampPlus, SpeechTokenizer
+from voicertc.backends.cosyvoice2.text import TextFrontend
+from voicertc.backends.cosyvoice2.yaml_config import load_yaml, tag_of
+from voicertc.errors import ModelDirError
+
+logger = logging.getLogger(__name__)
+
+YAML_NAME = "cosyvoice2.yaml"
+BLANKEN_DIR = "CosyVoice-BlankEN"
+SPEECH_TOKENIZER_NAME = "speech_tokenizer_v2.onnx"
+CAMPPLUS_NAME = "campplus.onnx"
+OTHER_VERSIONS = {"cosyvoice.yaml": "CosyVoice (v1)", "cosyvoice3.yaml": "Fun-CosyVoice3 (v3)"}
+EXPECTED_TAGS = {
+    "llm": QWEN2LM_TAG,
+    "flow": "new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec",
+    "hift": "new:cosyvoice.hifigan.generator.HiFTGenerator",
+}
+KNOWN_OTHER_TAGS = {
+    "new:cosyvoice.llm.llm.TransformerLM": "CosyVoice (v1)",
+    "new:cosyvoice.flow.flow.MaskedDiffWithXvec": "CosyVoice (v1)",
+    "new:cosyvoice.llm.llm.CosyVoice3LM": "Fun-CosyVoice3 (v3)",
+    "new:cosyvoice.flow.flow.CausalMaskedDiffWithDiT": "Fun-CosyVoice3 (v3)",
+    "new:cosyvoice.hifigan.generator.CausalHiFTGenerator": "Fun-CosyVoice3 (v3)",
+}
+
+
+@dataclass
+class CosyVoice2Model:
+    """The three networks of one model directory plus its lazily opened frontend parts.
+
+    Built once at start-up (any thread); afterwards read-only, used from the engine thread.
+    """
+
+    model_dir: Path
+    config: dict[str, Any]
+    llm: Qwen2LM
+    flow: CausalFlow
+    hift: HiFTGenerator
+    sft_voices: dict[str, dict[str, Tensor]]
+    device: torch.device
+    dtype: torch.dtype
+    text_frontend: TextFrontend = field(init=False)
+    _speech_tokenizer: SpeechTokenizer | None = field(default=None, init=False, repr=False)
+    _campplus: CampPlus | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.text_frontend = TextFrontend(self.model_dir / BLANKEN_DIR)
+
+    @property
+    def sample_rate_hz(self) -> int:
+        return int(self.config.get("sample_rate", 24000))
+
+    @property
+    def prompt_mel_fmax_hz(self) -> float | None:
+        """fmax of the yaml `feat_extractor` (8000 for CosyVoice2), used for the flow prompt mel."""
+        node = self.config.get("feat_extractor")
+        return node.get("fmax", 8000) if isinstance(node, dict) else 8000
+
+    @property
+    def speech_tokenizer(self) -> SpeechTokenizer:
+        if self._speech_tokenizer is None:
+            self._speech_tokenizer = SpeechTokenizer(_required(self.model_dir / SPEECH_TOKENIZER_NAME))
+        return self._speech_tokenizer
+
+    @property
+    def campplus(self) -> CampPlus:
+        if self._campplus is None:
+            self._campplus = CampPlus(_required(self.model_dir / CAMPPLUS_NAME))
+        return self._campplus
+
+
+def _required(path: Path) -> Path:
+    if not path.is_file():
+        raise ModelDirError(f"{path}: not found (needed by the CosyVoice2 frontend)")
+    return path
+
+
+def _check_directory(model_dir: Path) -> Path:
+    if not model_dir.is_dir():
+        raise ModelDirError(f"{model_dir}: not a directory")
+    yaml_path = model_dir / YAML_NAME
+    if yaml_path.is_file():
+        return yaml_path
+    for name, version in OTHER_VERSIONS.items():
+        if (model_dir / name).is_file():
+            raise ModelDirError(
+                f"{model_dir / name}: this is a {version} model directory; expected {YAML_NAME} (CosyVoice2)"
+            )
+    raise ModelDirError(f"{yaml_path}: not found; not a CosyVoice2 model directory")
+
+
+def _check_tags(config: dict[str, Any], yaml_path: Path) -> None:
+    for key, expected in EXPECTED_TAGS.items():
+        found = tag_of(config.get(key))
+        if found == expected:
+            continue
+        version = KNOWN_OTHER_TAGS.get(found)
+        what = f"a {version} class" if version else "something else"
+        raise ModelDirError(f"{yaml_path}: `{key}` is !{found or 'missing'} ({what}); expected !{expected}")
+
+
+def _load_weights(path: Path) -> dict[str, Tensor]:
+    if not path.is_file():
+        raise ModelDirError(f"{path}: not found")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated zip, pickle errors, ...: torch raises several types
+        raise ModelDirError(f"{path}: cannot read the checkpoint ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise ModelDirError(f"{path}: expected a state dict of tensors")
+    return state
+
+
+def _load_sft_voices(path: Path) -> dict[str, dict[str, Tensor]]:
+    """Optional spk2info.pt: {speaker: {'embedding': [1, 192], ...}}; missing file = no voices."""
+    if not path.is_file():
+        return {}
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ModelDirError(f"{path}: cannot read ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+        raise ModelDirError(f"{path}: expected {{speaker id: {{name: tensor}}}}")
+    return {str(k): dict(v) for k, v in raw.items()}
+
+
+def load(
+    model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> CosyVoice2Model:
+    """Load an official-layout CosyVoice2 directory; LLM and flow in `dtype`, HiFT in float32."""
+    model_dir = Path(model_dir)
+    device = torch.device(device)
+    yaml_path = _check_directory(model_dir)
+    blanken = model_dir / BLANKEN_DIR
+    config = load_yaml(yaml_path, overrides={"qwen_pretrain_path": str(blanken)})
+    _check_tags(config, yaml_path)
+    llm_cfg = LlmConfig.from_yaml(config["llm"], _required(blanken / "config.json"))
+    llm = build_llm(llm_cfg, _load_weights(model_dir / "llm.pt"), str(model_dir / "llm.pt"), device, dtype)
+
+    flow = CausalFlow(FlowConfig.from_yaml(config["flow"]))
+    load_flow_state_dict(flow, _load_weights(model_dir / "flow.pt"), str(model_dir / "flow.pt"))
+    hift = HiFTGenerator(HiftConfig.from_yaml(config["hift"]))
+    load_hift_state_dict(hift, _load_weights(model_dir / "hift.pt"), str(model_dir / "hift.pt"))
+
+    model = CosyVoice2Model(
+        model_dir=model_dir,
+        config=config,
+        llm=llm,
+        flow=flow.to(device=device, dtype=dtype).eval(),
+        hift=hift.to(device=device).eval(),
+        sft_voices=_load_sft_voices(model_dir / "spk2info.pt"),
+        device=device,
+        dtype=dtype,
+    )
+    logger.info(
+        "loaded CosyVoice2 from %s on %s (%s), %d sft voices", model_dir, device, dtype, len(model.sft_voices)
+    )
+    return model

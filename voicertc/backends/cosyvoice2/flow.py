@@ -12,7 +12,7 @@ Runs on the engine thread. Two ways in:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -37,7 +37,8 @@ class FlowStreamState:
 
     Invariant: the first `encoder.tokens` tokens of [prompt ++ generated] are fully synthesised and
     that count is on the chunk grid (until `finished`); `pending_prompt` holds the prompt tokens not
-    yet encoded (they are computed with the first chunk because their chunk is still open)."""
+    yet encoded (they are computed with the first chunk because their chunk is still open).
+    A call that raises after validation leaves the state unusable: drop the utterance."""
 
     spks: Tensor  # [1, 80] projected speaker embedding
     prompt_feat: Tensor  # [1, 2p, 80] prompt mel, the CFM condition of the prompt frames
@@ -73,7 +74,6 @@ class _Chunk:
     tokens: Tensor  # [1, T] real tokens (pending prompt ++ new)
     context: Tensor | None  # [1, lookahead] or None when final
     drop_frames: int  # leading frames that belong to the prompt
-    mu: Tensor = field(default_factory=lambda: torch.empty(0))
 
 
 class CausalFlow(nn.Module):
@@ -133,9 +133,8 @@ class CausalFlow(nn.Module):
         ready = max(prompt_tokens.shape[1] - lookahead, 0) // grid * grid
         if ready > 0:
             prompt = state.pending_prompt
-            state.pending_prompt = prompt[:, :0]
-            chunk = _Chunk(state, prompt[:, :ready], prompt[:, ready : ready + lookahead], 2 * ready)
-            self._run([chunk], chunk_masks=True)
+            context = prompt[:, ready : ready + lookahead]
+            self._run([_Chunk(state, prompt[:, :ready], context, 2 * ready)], chunk_masks=True)
             state.pending_prompt = prompt[:, ready:]
         return state
 
@@ -232,7 +231,6 @@ class CausalFlow(nn.Module):
         token_emb = self.input_embedding(chunk.tokens)
         context_emb = self.input_embedding(chunk.context) if chunk.context is not None else None
         h = self.encoder(token_emb, context_emb, state.encoder, chunk_masks)
-        state.pending_prompt = state.pending_prompt[:, :0]
         return self.encoder_proj(h).transpose(1, 2)
 
     def _cond(self, state: FlowStreamState, start: int, frames: int) -> Tensor:
@@ -247,6 +245,8 @@ class CausalFlow(nn.Module):
         if chunks[0].tokens.shape[1] == 0:
             return [c.state.spks.new_zeros(1, self.cfg.mel_bins, 0) for c in chunks]
         starts = [c.state.frames for c in chunks]
+        for c in chunks:  # the pending prompt tokens are part of this chunk now
+            c.state.pending_prompt = c.state.pending_prompt[:, :0]
         mu = torch.cat([self._encode(c, chunk_masks) for c in chunks], dim=0)
         frames = mu.shape[2]
         noise = torch.cat([fixed_noise()[:, :, s : s + frames] for s in starts], dim=0).to(mu)

@@ -32,12 +32,11 @@ def chunk_attention_mask(
     The official static chunk mask: query i sees key j iff j < (i // chunk + 1) * chunk, i.e. every
     earlier chunk plus the whole of its own chunk."""
     key_len = query_start + query_len
-    if chunk is None:
-        return None
+    if chunk is None or (query_start // chunk + 1) * chunk >= key_len:
+        return None  # every query already sees every key (one chunk, or full attention)
     query_pos = torch.arange(query_start, key_len, device=device)
     limit = (torch.div(query_pos, chunk, rounding_mode="floor") + 1) * chunk
-    mask = torch.arange(key_len, device=device)[None, :] < limit[:, None]
-    return None if bool(mask.all()) else mask
+    return torch.arange(key_len, device=device)[None, :] < limit[:, None]
 
 
 @dataclass

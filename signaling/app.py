@@ -22,6 +22,7 @@ from signaling.routes import REGISTRY, routes
 from voicertc.config import Config
 from voicertc.engine.factory import create_engine
 from voicertc.engine.protocol import Engine
+from voicertc.webrtc.loopback import patch_aioice_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,11 @@ def create_app(config: Config, engine: Engine | None = None) -> web.Application:
     app.router.add_get("/", _index(static_dir / "index.html"))
     app.router.add_static("/static/", static_dir)
 
+    restore_ice: list[Callable[[], None]] = []
+
     async def start_engine(_app: web.Application) -> None:
+        if config.webrtc.loopback_only:
+            restore_ice.append(patch_aioice_loopback())  # offer 127.0.0.1 (aioice skips it by default)
         engine.start()
 
     async def close_calls(_app: web.Application) -> None:
@@ -60,6 +65,8 @@ def create_app(config: Config, engine: Engine | None = None) -> web.Application:
     async def stop_engine(_app: web.Application) -> None:
         if owns_engine:
             await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+        for restore in restore_ice:
+            restore()
 
     app.on_startup.append(start_engine)
     app.on_shutdown.append(close_calls)
@@ -132,8 +139,6 @@ async def _openapi(request: web.Request) -> web.Response:
 
 def _index(path: Path) -> Handler:
     async def index(_request: web.Request) -> web.StreamResponse:
-        if not path.is_file():
-            raise ApiError(404, "not_found", f"web page not found at {path}")
-        return web.FileResponse(path)
+        return web.FileResponse(path)  # a missing page is a 404 from FileResponse
 
     return index

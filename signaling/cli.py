@@ -1,0 +1,100 @@
+"""`voicertc serve`: run the server from config.toml plus command-line overrides until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from signaling.app import create_app
+from voicertc.config import BACKENDS, Config, load_config
+from voicertc.errors import VoiceRTCError
+
+logger = logging.getLogger("voicertc")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="voicertc", description="Real-time WebRTC text-to-speech server.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the HTTP/WebRTC server")
+    serve.add_argument("--config", help="config.toml (default: ./config.toml when present, else defaults)")
+    serve.add_argument("--host", help="bind address (server.host)")
+    serve.add_argument("--port", type=int, help="TCP port (server.port); 0 picks a free one")
+    serve.add_argument("--engine", choices=BACKENDS, help="engine backend (engine.backend)")
+    serve.add_argument("--model-dir", help="CosyVoice2 model directory (engine.model_dir)")
+    return parser
+
+
+def resolve_config(args: argparse.Namespace) -> Config:
+    """The config file (explicit, or ./config.toml) with the flags applied on top, validated."""
+    path = args.config
+    if path is None and Path("config.toml").is_file():
+        path = "config.toml"
+    config = load_config(path)
+    server = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    if server:
+        config = config.replace("server", **server)
+    engine = {k: v for k, v in (("backend", args.engine), ("model_dir", args.model_dir)) if v is not None}
+    if engine:
+        config = config.replace("engine", **engine)
+    return config
+
+
+async def serve(config: Config) -> None:
+    """Run until SIGINT/SIGTERM, then close every call and stop the engine."""
+    runner = web.AppRunner(create_app(config), handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, config.server.host, config.server.port)
+    await site.start()
+    port = runner.addresses[0][1] if runner.addresses else config.server.port
+    print(
+        f"voicertc serving on http://{config.server.host}:{port}/ (engine {config.engine.backend})",
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        logger.info("shutting down")
+    finally:
+        await runner.cleanup()
+        logger.info("stopped")
+
+
+def _run(config: Config) -> None:
+    if config.server.use_uvloop:
+        try:
+            import uvloop
+        except ImportError:
+            logger.info("uvloop not installed; using asyncio's loop")
+        else:
+            uvloop.run(serve(config))
+            return
+    asyncio.run(serve(config))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = resolve_config(args)
+    except VoiceRTCError as exc:
+        print(f"voicertc: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        _run(config)
+    except VoiceRTCError as exc:
+        print(f"voicertc: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

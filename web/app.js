@@ -1,0 +1,206 @@
+// voicertc demo page: one WebRTC call to the server, text in, speech out, live stats.
+// No framework. window.voicertc exposes the state and a 16 kHz capture for automated tests.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const token = new URLSearchParams(location.search).get("token");
+const authHeaders = token ? { Authorization: `Bearer ${token}` } : {};
+const PING_MS = 2000;
+const HEARD_RMS = 0.01; // level above which the page counts audio as heard
+
+const state = {
+  pc: null,
+  channel: null,
+  location: null,
+  audioCtx: null,
+  analyser: null,
+  speakAt: null, // performance.now() of the last Speak, until its audio is heard
+  lastTtfaMs: null,
+  capture: null, // Float32Array chunks at 16 kHz while capturing
+  events: [],
+  timers: [],
+};
+
+function log(line) {
+  const el = $("log");
+  el.textContent = `${new Date().toISOString().slice(11, 23)} ${line}\n` + el.textContent.slice(0, 4000);
+}
+
+function setConnection(text) {
+  $("state").textContent = text;
+  $("s-connection").textContent = text;
+}
+
+function setButtons(inCall) {
+  $("call").disabled = inCall;
+  $("hangup").disabled = !inCall;
+  $("speak").disabled = !inCall;
+  $("interrupt").disabled = !inCall;
+}
+
+function waitForIceGathering(pc, timeoutMs) {
+  if (pc.iceGatheringState === "complete") return Promise.resolve();
+  return new Promise((resolve) => {
+    const done = () => {
+      if (pc.iceGatheringState === "complete") resolve();
+    };
+    pc.addEventListener("icegatheringstatechange", done);
+    setTimeout(resolve, timeoutMs); // send what we have: the server answers with all of its candidates
+  });
+}
+
+async function call() {
+  setButtons(true);
+  setConnection("connecting");
+  const pc = new RTCPeerConnection({ iceServers: [] });
+  state.pc = pc;
+  pc.addTransceiver("audio", { direction: "recvonly" });
+  const channel = pc.createDataChannel("events");
+  state.channel = channel;
+  channel.onmessage = (msg) => onEvent(JSON.parse(msg.data));
+  channel.onopen = () => {
+    log("data channel open");
+    state.timers.push(setInterval(() => send({ type: "ping", ts: Date.now() }), PING_MS));
+  };
+  pc.ontrack = (ev) => attachAudio(ev.streams[0] || new MediaStream([ev.track]));
+  pc.onconnectionstatechange = () => {
+    setConnection(pc.connectionState);
+    if (pc.connectionState === "failed" || pc.connectionState === "closed") hangup();
+  };
+  await pc.setLocalDescription(await pc.createOffer());
+  await waitForIceGathering(pc, 1000);
+  const resp = await fetch("/v1/calls", {
+    method: "POST",
+    headers: { "Content-Type": "application/sdp", ...authHeaders },
+    body: pc.localDescription.sdp,
+  });
+  if (resp.status !== 201) {
+    const err = await resp.json().catch(() => ({ error: { message: resp.statusText } }));
+    log(`call refused: ${resp.status} ${err.error.message}`);
+    await hangup();
+    return;
+  }
+  state.location = resp.headers.get("Location");
+  await pc.setRemoteDescription({ type: "answer", sdp: await resp.text() });
+  log(`call ${state.location}`);
+  state.timers.push(setInterval(pollStats, 500));
+}
+
+function attachAudio(stream) {
+  // Chrome feeds WebAudio from a remote stream only while a media element plays it.
+  $("audio").srcObject = stream;
+  const ctx = new AudioContext({ sampleRate: 16000 });
+  state.audioCtx = ctx;
+  const source = ctx.createMediaStreamSource(stream);
+  const analyser = ctx.createAnalyser();
+  analyser.fftSize = 512;
+  state.analyser = analyser;
+  const processor = ctx.createScriptProcessor(256, 1, 1);
+  const mute = ctx.createGain();
+  mute.gain.value = 0; // the <audio> element plays; this graph only measures
+  source.connect(analyser);
+  source.connect(processor);
+  processor.connect(mute);
+  mute.connect(ctx.destination);
+  processor.onaudioprocess = (ev) => onPcm(ev.inputBuffer.getChannelData(0));
+  ctx.resume();
+  state.timers.push(setInterval(drawLevel, 50));
+}
+
+function onPcm(pcm) {
+  if (state.capture) state.capture.push(new Float32Array(pcm));
+  if (state.speakAt === null) return;
+  let sum = 0;
+  for (let i = 0; i < pcm.length; i++) sum += pcm[i] * pcm[i];
+  if (Math.sqrt(sum / pcm.length) > HEARD_RMS) {
+    state.lastTtfaMs = performance.now() - state.speakAt;
+    state.speakAt = null;
+    $("s-ttfa").textContent = `${state.lastTtfaMs.toFixed(0)} ms`;
+  }
+}
+
+function drawLevel() {
+  if (!state.analyser) return;
+  const buf = new Float32Array(state.analyser.fftSize);
+  state.analyser.getFloatTimeDomainData(buf);
+  let sum = 0;
+  for (const x of buf) sum += x * x;
+  const db = 20 * Math.log10(Math.sqrt(sum / buf.length) + 1e-9);
+  $("level").style.width = `${Math.max(0, Math.min(100, ((db + 60) / 60) * 100))}%`;
+}
+
+async function pollStats() {
+  if (!state.pc) return;
+  const report = await state.pc.getStats();
+  report.forEach((s) => {
+    if (s.type === "inbound-rtp" && s.kind === "audio") {
+      const jb = s.jitterBufferEmittedCount ? (1000 * s.jitterBufferDelay) / s.jitterBufferEmittedCount : 0;
+      $("s-jitter").textContent = `${jb.toFixed(0)} ms`;
+      $("s-packets").textContent = `${s.packetsReceived} / ${s.packetsLost}`;
+    } else if (s.type === "candidate-pair" && s.nominated && s.currentRoundTripTime !== undefined) {
+      $("s-rtt").textContent = `${(1000 * s.currentRoundTripTime).toFixed(1)} ms`;
+    }
+  });
+}
+
+function send(message) {
+  if (state.channel && state.channel.readyState === "open") state.channel.send(JSON.stringify(message));
+}
+
+function onEvent(ev) {
+  if (ev.type === "pong") return;
+  state.events.push(ev);
+  if (ev.type === "speech.started") $("s-server-ttfa").textContent = `${ev.ttfa_ms.toFixed(0)} ms`;
+  log(`${ev.type} ${JSON.stringify(ev)}`);
+}
+
+function speak(text) {
+  state.speakAt = performance.now();
+  send({ type: "speak", text: text === undefined ? $("text").value : text });
+}
+
+function interrupt() {
+  state.speakAt = null;
+  send({ type: "interrupt" });
+}
+
+async function hangup() {
+  state.timers.forEach(clearInterval);
+  state.timers = [];
+  const { pc, location: url } = state;
+  state.pc = null;
+  state.location = null;
+  if (url) await fetch(url, { method: "DELETE", headers: authHeaders }).catch(() => {});
+  if (pc) pc.close();
+  if (state.audioCtx) state.audioCtx.close();
+  state.audioCtx = null;
+  state.analyser = null;
+  setButtons(false);
+  setConnection("idle");
+}
+
+$("call").onclick = call;
+$("hangup").onclick = hangup;
+$("speak").onclick = () => speak();
+$("interrupt").onclick = interrupt;
+
+window.voicertc = {
+  state,
+  call,
+  hangup,
+  speak,
+  interrupt,
+  connectionState: () => (state.pc ? state.pc.connectionState : "idle"),
+  channelOpen: () => !!state.channel && state.channel.readyState === "open",
+  startCapture: () => {
+    state.capture = [];
+  },
+  // The capture so far as a plain array of samples at 16 kHz (and start a new one).
+  takeCapture: () => {
+    const chunks = state.capture || [];
+    state.capture = [];
+    const out = [];
+    for (const c of chunks) for (let i = 0; i < c.length; i++) out.push(c[i]);
+    return out;
+  },
+};

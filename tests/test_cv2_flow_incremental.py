@@ -168,3 +168,26 @@ def test_batched_rejects_unequal_chunks(flow, golden):
     states = [flow.init_stream(prompt_tokens, prompt_feat, embedding) for _ in range(2)]
     with pytest.raises(ValueError, match="same number"):
         flow.stream_step_batch([tokens[:, :36], tokens[:, :61]], states, finalize=False)
+
+
+def test_chunk_computes_only_its_own_frames(flow, golden):
+    """The point of the caches: chunk k runs the encoder and estimator on its own tokens/frames only."""
+    tokens, prompt_tokens, prompt_feat, embedding = _inputs(golden)
+    state = flow.init_stream(prompt_tokens, prompt_feat, embedding)
+    flow.stream_step(tokens[:, :36], state, finalize=False)
+    seen: list[tuple[str, int]] = []
+    handles = [
+        flow.encoder.register_forward_hook(lambda m, args, out: seen.append(("encoder", args[0].shape[1]))),
+        flow.decoder.estimator.register_forward_hook(
+            lambda m, args, out: seen.append(("estimator", args[0].shape[2]))
+        ),
+    ]
+    try:
+        before = state.cache_bytes()
+        flow.stream_step(tokens[:, 33:86], state, finalize=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert seen == [("encoder", 50)] + [("estimator", 100)] * 10
+    assert state.frames == 2 * (17 + 83) and state.encoder.tokens == 17 + 83
+    assert state.cache_bytes() > before

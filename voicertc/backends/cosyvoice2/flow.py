@@ -51,6 +51,15 @@ class FlowStreamState:
     def frames(self) -> int:
         return self.estimator[0].frames
 
+    def cache_bytes(self) -> int:
+        """Memory held by the caches (the estimator K/V dominate: they grow with every frame)."""
+        enc = self.encoder
+        tensors = [enc.lookahead_tail, enc.upsample_tail]
+        tensors += [t for c in enc.layers + enc.up_layers for t in (c.keys, c.values)]
+        for c in self.estimator:
+            tensors += [*c.conv_tails.values(), *c.keys.values(), *c.values.values()]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
     def clone(self) -> FlowStreamState:
         """An independent copy (e.g. a voice's prompt state reused per utterance). Cheap: cached
         tensors are never written in place, so only the containers are copied."""

@@ -192,7 +192,8 @@ def _schemas() -> dict[str, Any]:
         },
         "Event": {
             "description": "Data channel `events` and SSE. Client -> server: {type: speak, text, voice?, "
-            "interrupt?}, {type: interrupt}, {type: ping} (keep-alive; answered with pong). Server -> client: "
+            "interrupt?}, {type: interrupt}, {type: ping} (keep-alive; answered with pong). "
+            "Server -> client: "
             "speech.queued {utterance_id}, speech.started {utterance_id, ttfa_ms}, speech.done "
             "{utterance_id, played_ms}, speech.interrupted {utterance_id, played_ms}, error {code, message, "
             "utterance_id?}; SSE ends with call.closed {reason}.",

@@ -79,11 +79,11 @@ class PeerClient:
         return await asyncio.wait_for(find(), timeout_s)
 
     async def wait_open(self, timeout_s: float = 10.0) -> None:
-        async def opened() -> None:
-            while self.channel is not None and self.channel.readyState != "open":
-                await asyncio.sleep(0.02)
-
-        await asyncio.wait_for(opened(), timeout_s)
+        if self.channel is None or self.channel.readyState == "open":
+            return
+        opened = asyncio.Event()
+        self.channel.on("open", opened.set)
+        await asyncio.wait_for(opened.wait(), timeout_s)
 
     def send(self, message: dict[str, Any]) -> None:
         assert self.channel is not None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, Callable
 from typing import Any
 
 from aiortc import RTCConfiguration, RTCDataChannel, RTCIceServer, RTCPeerConnection, RTCSessionDescription
@@ -97,7 +97,7 @@ class Call:
     # --- speaking ---------------------------------------------------------------------------------
 
     def speak(
-        self, text: str | AsyncIterator[str], *, voice: str | None = None, interrupt: bool = False
+        self, text: str | AsyncIterable[str], *, voice: str | None = None, interrupt: bool = False
     ) -> SpeechHandle:
         """Queue an utterance (text or async iterator of deltas); `interrupt` first stops what is playing."""
         if self.closed.is_set():

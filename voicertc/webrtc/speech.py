@@ -11,7 +11,7 @@ import asyncio
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,7 +81,7 @@ class SpeechQueue:
 
     # --- requests ---------------------------------------------------------------------------------
 
-    def speak(self, text: str | AsyncIterator[str], voice: str | None = None) -> SpeechHandle:
+    def speak(self, text: str | AsyncIterable[str], voice: str | None = None) -> SpeechHandle:
         """Queue an utterance of a whole text or of an async stream of text deltas."""
         if isinstance(text, str):
             if not text.strip():
@@ -99,7 +99,7 @@ class SpeechQueue:
         self._pump()
         return handle
 
-    async def _feed(self, handle: SpeechHandle, deltas: AsyncIterator[str]) -> None:
+    async def _feed(self, handle: SpeechHandle, deltas: AsyncIterable[str]) -> None:
         try:
             async for delta in deltas:
                 if handle.finished:

@@ -274,3 +274,19 @@ async def test_a_vanished_browser_is_freed_and_others_keep_speaking():
         await expect_error(await client.get(f"/v1/calls/{gone_id}"), 404, "unknown_call")
         done = await stay.wait_event("speech.done", utterance_id=utterance_id, timeout_s=20)
         assert done["played_ms"] > 5000
+
+
+def test_cli_flags_override_the_config_file(tmp_path):
+    from signaling.cli import build_parser, main, resolve_config
+
+    path = tmp_path / "config.toml"
+    path.write_text('[server]\nport = 9000\n[engine]\nbackend = "fake"\n')
+    args = build_parser().parse_args(["serve", "--config", str(path), "--port", "0", "--host", "0.0.0.0"])
+    config = resolve_config(args)
+    assert (config.server.host, config.server.port, config.engine.backend) == ("0.0.0.0", 0, "fake")
+    args = build_parser().parse_args(
+        ["serve", "--config", str(path), "--engine", "cosyvoice2", "--model-dir", "/m"]
+    )
+    assert resolve_config(args).engine.model_dir == "/m"
+    path.write_text("[server]\nport = 70000\n")
+    assert main(["serve", "--config", str(path)]) == 2  # names server.port on stderr

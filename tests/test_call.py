@@ -10,7 +10,7 @@ from call_helpers import PeerClient, fake_config, rms
 
 from voicertc.engine.factory import create_engine
 from voicertc.webrtc import patch_aioice_loopback
-from voicertc.webrtc.call import Call
+from voicertc.webrtc.call import Call, CallClosedError
 
 
 @pytest.fixture(autouse=True)
@@ -145,3 +145,19 @@ async def test_keepalive_timeout_closes_a_silent_data_channel():
         await client.wait_event("pong")
         await asyncio.wait_for(call.closed.wait(), 5)
         assert call.close_reason == "keepalive timeout"
+
+
+async def test_a_call_that_never_connects_is_closed():
+    config = fake_config(webrtc={"connect_timeout_s": 1.0})
+    engine = create_engine(config)
+    call = Call("c2", engine, config)
+    client = PeerClient()
+    try:
+        await call.answer(await client.offer())  # the client never applies the answer
+        await asyncio.wait_for(call.closed.wait(), 5)
+        assert call.close_reason == "connect timeout"
+        with pytest.raises(CallClosedError):
+            call.speak("Too late.")
+    finally:
+        await client.close()
+        await call.close()

@@ -32,7 +32,28 @@ _EXPORTS = {
     "text_normalize": "text",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "BistreamSession",
+    "CosyVoice2Model",
+    "EOS_ID",
+    "FILL_ID",
+    "LlmConfig",
+    "LlmSession",
+    "PrefixCache",
+    "Qwen2LM",
+    "SPEECH_TOKEN_SIZE",
+    "STOP_IDS",
+    "SamplingParams",
+    "SentenceStream",
+    "TextFrontend",
+    "TextTokenizer",
+    "bistream_layout",
+    "build_llm",
+    "load",
+    "load_llm_state_dict",
+    "split_paragraph",
+    "text_normalize",
+]
 
 if TYPE_CHECKING:
     from voicertc.backends.cosyvoice2.bistream import BistreamSession, bistream_layout

@@ -163,6 +163,14 @@ class Qwen2LM(nn.Module):
             raise ValueError(f"{what} id {bad} is outside the vocabulary [0, {upper})")
         return ids.to(self.llm_decoder.weight.device)
 
+    def check_text_ids(self, tokens: Sequence[int] | Tensor) -> list[int]:
+        """The ids as ints; ValueError for any id outside the text vocabulary."""
+        return [int(t) for t in self._ids(tokens, "text token", self.text_vocab_size).tolist()]
+
+    def check_speech_ids(self, tokens: Sequence[int] | Tensor) -> list[int]:
+        """The ids as ints; ValueError for any id outside [0, 6561)."""
+        return [int(t) for t in self._ids(tokens, "speech token", self.config.speech_token_size).tolist()]
+
     def embed_text(self, tokens: Sequence[int] | Tensor) -> Tensor:
         # tokens: [T] text ids -> [1, T, H]
         ids = self._ids(tokens, "text token", self.text_vocab_size)
@@ -371,4 +379,4 @@ def build_llm(
     backbone = module.llm.model.model
     backbone.rotary_emb = Qwen2RotaryEmbedding(config=backbone.config).to(device)
     load_llm_state_dict(module, state_dict, source_name)
-    return module.to(dtype=dtype).eval()
+    return module.to(dtype=dtype).eval().requires_grad_(False)

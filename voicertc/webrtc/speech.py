@@ -216,6 +216,7 @@ class SpeechQueue:
         self._finish(
             handle, {"type": "speech.done", "utterance_id": utterance_id, "played_ms": round(played_ms, 1)}
         )
+        self._release_active(handle)  # its end mark was played, so the engine is done with it
 
     def fail(self, handle: SpeechHandle, code: str, message: str) -> None:
         if handle.finished:

@@ -23,7 +23,9 @@ def test_shipped_config_equals_the_defaults():
 
 
 def test_values_are_read_and_typed(tmp_path):
-    cfg = load_config(write(tmp_path, '[server]\nport = 9000\n[auth]\ntokens = ["a", "b"]\n[fake]\nrtf = 1\n'))
+    cfg = load_config(
+        write(tmp_path, '[server]\nport = 9000\n[auth]\ntokens = ["a", "b"]\n[fake]\nrtf = 1\n')
+    )
     assert cfg.server.port == 9000
     assert cfg.auth.tokens == ("a", "b")
     assert cfg.fake.rtf == 1.0 and isinstance(cfg.fake.rtf, float)

@@ -46,7 +46,9 @@ def test_first_chunk_is_a_short_clause(piper_engine):
     backend = piper_engine.backend
     first_clause = np.concatenate(backend.synthesize("Sure, here is the thing."))
     log, sink = EventLog(), RecordingSink()
-    uid = piper_engine.say(None, sink, log, "Sure, here is the thing. " + "And then a much longer sentence. " * 3)
+    uid = piper_engine.say(
+        None, sink, log, "Sure, here is the thing. " + "And then a much longer sentence. " * 3
+    )
     log.wait_terminal([uid], timeout_s=60)
     assert len(sink.samples(uid)) > 2 * len(first_clause)
 

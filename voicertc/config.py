@@ -82,7 +82,9 @@ class ScheduleConfig:
     def validate(self) -> None:
         _check(self.first_hop_tokens >= 1, "schedule.first_hop_tokens", "must be >= 1")
         _check(self.growth >= 1, "schedule.growth", "must be >= 1")
-        _check(self.max_hop_tokens >= self.first_hop_tokens, "schedule.max_hop_tokens", "must be >= first hop")
+        _check(
+            self.max_hop_tokens >= self.first_hop_tokens, "schedule.max_hop_tokens", "must be >= first hop"
+        )
         _check(self.lookahead_tokens >= 0, "schedule.lookahead_tokens", "must be >= 0")
 
 
@@ -142,7 +144,9 @@ class Config:
 
     def replace(self, section: str, **values: Any) -> Config:
         """A copy with some keys of one section changed (command-line overrides), validated."""
-        new_section = _build_section(type(getattr(self, section)), section, values, base=getattr(self, section))
+        new_section = _build_section(
+            type(getattr(self, section)), section, values, base=getattr(self, section)
+        )
         return dataclasses.replace(self, **{section: new_section})
 
 

@@ -79,7 +79,9 @@ class PiperBackend:
         self.voice_id = model_path.name.removesuffix(".onnx")
         self.first_clause_min_chars = first_clause_min_chars
         self.max_chunk_chars = max_chunk_chars
-        logger.info("piper voice %s loaded (%d Hz, %d thread(s))", self.voice_id, self.sample_rate_hz, threads)
+        logger.info(
+            "piper voice %s loaded (%d Hz, %d thread(s))", self.voice_id, self.sample_rate_hz, threads
+        )
 
     def voices(self) -> list[str]:
         return [self.voice_id]
@@ -114,7 +116,9 @@ class PiperBackend:
             state.chunks_done += 1
             if has_speech(chunk):
                 pcm = self.synthesize(chunk)
-                logger.debug("utterance %s: piper chunk %d (%d chars)", utt.utterance_id, state.chunks_done, len(chunk))
+                logger.debug(
+                    "utterance %s: piper chunk %d (%d chars)", utt.utterance_id, state.chunks_done, len(chunk)
+                )
         done = utt.input_ended and not utt.text.strip()
         return SynthStep(pcm=pcm, sample_rate_hz=self.sample_rate_hz, done=done)
 

@@ -190,3 +190,39 @@ async def test_fake_engine_speaks_through_the_track(loopback_ice):
         for pc in (client, server):
             if pc is not None:
                 await pc.close()
+
+
+async def test_piper_speaks_through_the_track_and_an_interrupt_silences_it(loopback_ice):
+    from voicertc.backends.piper import PiperBackend
+    from voicertc.engine.worker import EngineWorker
+
+    ring = PcmRing(high_water_ms=2000.0)
+    sink = RingSink(ring)
+    track = SpeechTrack(ring)
+    engine = EngineWorker(PiperBackend(threads=1))
+    engine.start()
+    events: list = []
+    client = server = receiver = None
+    try:
+        client, server, remote = await connect(track)
+        receiver = Receiver(remote)
+        await receiver.wait_for(lambda: len(receiver.frames) >= 5)
+        text = "This is the bundled voice speaking a long sentence, so that there is time to interrupt it."
+        engine.say(None, sink, events.append, text)
+        await receiver.wait_for(lambda: len(receiver.loud()) >= 25)  # half a second of speech heard
+        assert receiver.sample_rates == {48000}
+        speech = np.concatenate([pcm for _, pcm in receiver.loud()])
+        assert rms(speech) > 0.01
+        cut_position = track.samples_sent
+        result = track.interrupt()
+        assert result.played_ms > 400
+        await receiver.wait_for(lambda: receiver.frames[-1][0] > cut_position + 48000)
+        late = [pcm for pos, pcm in receiver.frames if pos >= cut_position + 4800]  # 100 ms after the cut
+        assert late and max(rms(pcm) for pcm in late) < SILENT_RMS
+    finally:
+        engine.stop()
+        if receiver is not None:
+            await receiver.close()
+        for pc in (client, server):
+            if pc is not None:
+                await pc.close()

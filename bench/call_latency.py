@@ -1,0 +1,203 @@
+"""Speak -> first RTP packet of the utterance's audio leaving the server, bundled Piper voice.
+
+    .venv/bin/python -m bench.call_latency [--runs 25]
+
+The real server (`VoiceServer`: aiohttp app, Piper engine thread, aiortc) runs in this process on
+127.0.0.1, on uvloop when installed (as `voicertc serve` does); a Python aiortc peer (bench/peer.py)
+calls it over the HTTP API and drains the audio it receives. Each run: idle a random 0.2-0.5 s (so
+the request lands at a random phase of the 20 ms frame clock), `POST /v1/calls/{id}/speak`, wait for
+the first RTP packet of that utterance, let it play 0.3 s, interrupt over HTTP.
+
+Measurement points, all on this process's `time.monotonic()`, t0 just before the HTTP request:
+- `http_202_ms`: the 202 answer is back at the client.
+- `first_frame_ms`: SpeechTrack.recv() returned the first frame holding the utterance's samples (the
+  track's "started" playout event, which fires inside that recv()).
+- `first_rtp_ms`: that frame's RTP packet was handed to the DTLS transport and sent: the sender's
+  `transport._send_rtp` (SRTP protect + UDP sendto) returned. The packet is matched by RTP timestamp
+  (RTP ts - frame pts is constant: the sender recv()s, encodes and sends one packet per frame in
+  sequence; checked on every packet, see `rtp_ts_mismatches`).
+- `encode_ms`: first_rtp - first_frame (aiortc's Opus encode in its executor + packetize + send).
+- `server_ttfa_ms`: the server's own `speech.started` ttfa (Call.speak -> first frame).
+Prints a table; writes bench/results/call_latency.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+
+from bench.peer import HttpPeer
+from bench.report import summary, table, write_json
+from signaling.embed import VoiceServer
+from voicertc.config import config_from_dict
+from voicertc.webrtc.call import Call
+from voicertc.webrtc.track import PlayoutEvent
+
+TEXTS = {
+    "short (4 words)": "Hello, how are you?",
+    "medium (10 words)": "I can help you book a table for dinner tonight.",
+}
+PLAY_S = 0.3
+RTP_CLOCK_MASK = 0xFFFFFFFF
+
+
+def _is_rtcp(packet: bytes) -> bool:
+    return len(packet) >= 2 and 192 <= packet[1] <= 223
+
+
+class SendProbe:
+    """Watches one server call: the frame that starts an utterance and the RTP packet that carries it.
+
+    Hooks (instance attributes, the package is untouched): the track's `on_playout` callback, the
+    track's `recv` (to time each frame and check the pts <-> RTP timestamp mapping), and the sender's
+    DTLS `_send_rtp`. Owned by the event loop.
+    """
+
+    def __init__(self, call: Call) -> None:
+        self.track = call.track
+        self.rtp_ts_offset: int | None = None  # RTP ts - frame pts, from the first hooked frame
+        self.rtp_packets = 0
+        self.rtp_ts_mismatches = 0
+        self._last_frame: tuple[int, float] = (-1, 0.0)  # (pts, monotonic time recv() returned)
+        self._target: tuple[int, float] | None = None  # (pts, time) of the utterance's first frame
+        self._sent: asyncio.Future[tuple[float, float, float]] | None = None
+        self._hook_playout()
+        self._hook_recv()
+        sender = next(s for s in call.pc.getSenders() if s.track is call.track)
+        self._hook_send(sender.transport)
+
+    def _hook_playout(self) -> None:
+        original = self.track.on_playout
+
+        def on_playout(event: PlayoutEvent) -> None:
+            if event.kind == "started" and self._sent is not None and self._target is None:
+                self._target = (self.track.samples_sent, time.monotonic())  # pts of the frame being built
+            if original is not None:
+                original(event)
+
+        self.track.on_playout = on_playout
+
+    def _hook_recv(self) -> None:
+        original: Callable[[], Awaitable[Any]] = self.track.recv
+
+        async def recv() -> Any:
+            frame = await original()
+            self._last_frame = (int(frame.pts), time.monotonic())
+            return frame
+
+        self.track.recv = recv  # type: ignore[method-assign]
+
+    def _hook_send(self, transport: Any) -> None:
+        original = transport._send_rtp
+
+        async def send_rtp(packet: bytes) -> None:
+            await original(packet)
+            if not _is_rtcp(packet):
+                self._on_rtp(int.from_bytes(packet[4:8], "big"), time.monotonic())
+
+        transport._send_rtp = send_rtp
+
+    def _on_rtp(self, rtp_ts: int, sent_s: float) -> None:
+        if self.rtp_ts_offset is None:
+            if self._last_frame[0] < 0:
+                return  # its frame left recv() before the hooks were in place
+            self.rtp_ts_offset = rtp_ts - self._last_frame[0]
+        pts = (rtp_ts - self.rtp_ts_offset) & RTP_CLOCK_MASK
+        self.rtp_packets += 1
+        if pts != self._last_frame[0]:
+            self.rtp_ts_mismatches += 1
+        if self._target is not None and self._sent is not None and not self._sent.done():
+            target_pts, frame_s = self._target
+            if pts >= target_pts:
+                self._sent.set_result((frame_s, sent_s, self._last_frame[1]))
+
+    def arm(self) -> asyncio.Future[tuple[float, float, float]]:
+        """Expect a new utterance: resolves to (first frame time, its RTP send time, its recv time)."""
+        self._target = None
+        self._sent = asyncio.get_running_loop().create_future()
+        return self._sent
+
+
+async def one_run(peer: HttpPeer, probe: SendProbe, text: str) -> dict[str, float]:
+    await asyncio.sleep(random.uniform(0.2, 0.5))
+    sent = probe.arm()
+    t0 = time.monotonic()
+    utterance_id = await peer.speak(text)
+    t_202 = time.monotonic()
+    frame_s, rtp_s, recv_s = await asyncio.wait_for(sent, 10.0)
+    started = await peer.wait_event("speech.started", utterance_id)
+    await asyncio.sleep(PLAY_S)
+    await peer.interrupt()
+    await peer.wait_event("speech.interrupted", utterance_id)
+    return {
+        "http_202_ms": 1000 * (t_202 - t0),
+        "first_frame_ms": 1000 * (frame_s - t0),
+        "first_rtp_ms": 1000 * (rtp_s - t0),
+        "encode_ms": 1000 * (rtp_s - recv_s),
+        "server_ttfa_ms": float(started["ttfa_ms"]),
+    }
+
+
+def _row(label: str, runs: int, stats: dict[str, dict[str, float]]) -> dict[str, object]:
+    row: dict[str, object] = {"sentence": label, "runs": runs}
+    for key, name in (("first_rtp_ms", "RTP"), ("first_frame_ms", "frame"), ("encode_ms", "encode")):
+        row[f"{name} p50 ms"] = stats[key]["p50"]
+        row[f"{name} p95 ms"] = stats[key]["p95"]
+    row["HTTP 202 p50 ms"] = stats["http_202_ms"]["p50"]
+    return row
+
+
+async def main(runs: int) -> None:
+    config = config_from_dict(
+        {"server": {"port": 0}, "webrtc": {"loopback_only": True}, "engine": {"backend": "piper"}}
+    )
+    server = VoiceServer(config)
+    url = await server.start()
+    async with aiohttp.ClientSession() as http:
+        peer = HttpPeer(http, url)
+        try:
+            await peer.connect()
+            agent_call = await server.next_call(timeout_s=10)
+            probe = SendProbe(agent_call._call)  # bench reach-in: the package's Call behind the agent API
+            await one_run(peer, probe, "Warm up.")
+            rows: list[dict[str, object]] = []
+            record: dict[str, object] = {}
+            for label, text in TEXTS.items():
+                samples = [await one_run(peer, probe, text) for _ in range(runs)]
+                stats = {k: summary([s[k] for s in samples]) for k in samples[0]}
+                record[label] = {"text": text, **stats}
+                rows.append(_row(label, runs, stats))
+            print(table(rows, list(rows[0])))  # noqa: T201 - benchmark output
+            checks = {"rtp_packets": probe.rtp_packets, "rtp_ts_mismatches": probe.rtp_ts_mismatches}
+            print("RTP packets checked:", checks)  # noqa: T201
+            record = {"runs": runs, "loop": _loop_name(), **checks, "results": record}
+            path = write_json("call_latency", record)
+            print("wrote", path)  # noqa: T201
+        finally:
+            await peer.close()
+            await server.stop()
+
+
+def _loop_name() -> str:
+    return type(asyncio.get_running_loop()).__module__
+
+
+def _run(runs: int) -> None:
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main(runs))
+    else:
+        uvloop.run(main(runs))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--runs", type=int, default=25)
+    _run(parser.parse_args().runs)

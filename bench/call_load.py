@@ -6,6 +6,8 @@
 measured alone. This process holds the N aiortc client peers (bench/peer.py, they decode what they
 receive). For each N: open N calls over `POST /v1/calls`; in each, keep two utterances queued
 (`POST .../speak`; a new one whenever one ends), for `--seconds`; then read the counters and hang up.
+All N calls start speaking at the same moment (the worst onset: N first chunks compete); one more run
+at the top load starts call i `i * --stagger-s` later, to tell the onset burst from the steady state.
 
 Measured over the speaking window:
 - server CPU: user + system seconds of the server process (/proc/<pid>/stat, all threads: event loop,
@@ -60,8 +62,9 @@ async def wait_terminal(peer: HttpPeer, utterance_id: str, timeout_s: float = 60
     return await asyncio.wait_for(find(), timeout_s)
 
 
-async def speak_back_to_back(peer: HttpPeer, offset: int, stop_s: float) -> None:
-    """Keep QUEUED_UTTERANCES queued in the call until `stop_s` (monotonic)."""
+async def speak_back_to_back(peer: HttpPeer, offset: int, delay_s: float, stop_s: float) -> None:
+    """After `delay_s`, keep QUEUED_UTTERANCES queued in the call until `stop_s` (monotonic)."""
+    await asyncio.sleep(delay_s)
     texts = itertools.cycle(SENTENCES[offset % len(SENTENCES) :] + SENTENCES[: offset % len(SENTENCES)])
     queued = deque([await peer.speak(next(texts)) for _ in range(QUEUED_UTTERANCES)])
     while True:
@@ -88,7 +91,10 @@ def window_events(peer: HttpPeer, first_event: int) -> tuple[list[float], float,
     return ttfa, played_s, errors
 
 
-async def run_load(http: aiohttp.ClientSession, url: str, pid: int, calls: int, seconds: float) -> dict:
+async def run_load(
+    http: aiohttp.ClientSession, url: str, pid: int, calls: int, seconds: float, stagger_s: float = 0.0
+) -> dict:
+    """N calls speaking for `seconds`; call i starts `i * stagger_s` into the window."""
     peers = [HttpPeer(http, url) for _ in range(calls)]
     try:
         await asyncio.gather(*(p.connect() for p in peers))
@@ -96,7 +102,9 @@ async def run_load(http: aiohttp.ClientSession, url: str, pid: int, calls: int, 
         before = await asyncio.gather(*(p.info() for p in peers))
         first_events = [len(p.events) for p in peers]
         cpu0, client_cpu0, t0 = process_cpu_s(pid), process_cpu_s(os.getpid()), time.monotonic()
-        await asyncio.gather(*(speak_back_to_back(p, i, t0 + seconds) for i, p in enumerate(peers)))
+        await asyncio.gather(
+            *(speak_back_to_back(p, i, i * stagger_s, t0 + seconds) for i, p in enumerate(peers))
+        )
         window_s = time.monotonic() - t0
         cpu_s, client_cpu_s = process_cpu_s(pid) - cpu0, process_cpu_s(os.getpid()) - client_cpu0
         after = await asyncio.gather(*(p.info() for p in peers))
@@ -121,6 +129,7 @@ async def run_load(http: aiohttp.ClientSession, url: str, pid: int, calls: int, 
         )
     return {
         "calls": calls,
+        "stagger_s": stagger_s,
         "window_s": window_s,
         "server_cpu_s": cpu_s,
         "server_cpu_s_per_call_s": cpu_s / (calls * window_s),
@@ -134,7 +143,8 @@ async def run_load(http: aiohttp.ClientSession, url: str, pid: int, calls: int, 
 def _row(result: dict) -> dict[str, object]:
     per_call = result["per_call"]
     return {
-        "calls": result["calls"],
+        "calls": f"{result['calls']}"
+        + (f" (+{result['stagger_s']:g} s each)" if result["stagger_s"] else ""),
         "window s": result["window_s"],
         "server CPU % core": result["server_cpu_pct_of_core"],
         "CPU s per call-s": result["server_cpu_s_per_call_s"],
@@ -146,7 +156,7 @@ def _row(result: dict) -> dict[str, object]:
     }
 
 
-async def main(call_counts: list[int], seconds: float) -> None:
+async def main(call_counts: list[int], seconds: float, stagger_s: float) -> None:
     patch_aioice_loopback()  # the client peers offer 127.0.0.1 like the server does
     results = []
     with served() as (url, pid):
@@ -156,6 +166,8 @@ async def main(call_counts: list[int], seconds: float) -> None:
             for calls in call_counts:
                 results.append(await run_load(http, url, pid, calls, seconds))
                 await asyncio.sleep(1.0)
+            if stagger_s > 0:  # the same top load with onsets spread out: steady state vs onset burst
+                results.append(await run_load(http, url, pid, max(call_counts), seconds, stagger_s))
     print(table([_row(r) for r in results], list(_row(results[0]))))  # noqa: T201 - benchmark output
     path = write_json("call_load", {"seconds": seconds, "results": results})
     print("wrote", path)  # noqa: T201
@@ -165,5 +177,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--calls", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument(
+        "--stagger-s",
+        type=float,
+        default=0.25,
+        help="extra run at the top load, call i starting i*this later",
+    )
     args = parser.parse_args()
-    asyncio.run(main(args.calls, args.seconds))
+    asyncio.run(main(args.calls, args.seconds, args.stagger_s))

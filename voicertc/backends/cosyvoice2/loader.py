@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -26,6 +26,11 @@ from voicertc.backends.cosyvoice2.onnx_frontends import CampPlus, SpeechTokenize
 from voicertc.backends.cosyvoice2.text import TextFrontend
 from voicertc.backends.cosyvoice2.yaml_config import load_yaml, tag_of
 from voicertc.errors import ModelDirError
+
+if TYPE_CHECKING:
+    from voicertc.backends.cosyvoice2.token2wav import Token2WavStream
+    from voicertc.backends.cosyvoice2.voices import Voice
+    from voicertc.engine.schedule import ChunkSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +96,32 @@ class CosyVoice2Model:
         if self._campplus is None:
             self._campplus = CampPlus(_required(self.model_dir / CAMPPLUS_NAME))
         return self._campplus
+
+    # ---- streaming API (thin delegations; see voices.py and token2wav.py) ----------------------------
+
+    def voice_from_features(
+        self, prompt_tokens: Any, prompt_feat: Tensor, embedding: Tensor, *args: Any, **kw: Any
+    ) -> Voice:
+        """A `Voice` from prompt speech tokens [1, p], prompt mel [1, 2p, 80] and embedding [1, 192]."""
+        from voicertc.backends.cosyvoice2.voices import voice_from_features
+
+        return voice_from_features(self, prompt_tokens, prompt_feat, embedding, *args, **kw)
+
+    def voice_from_wav(self, path: str | Path, transcript: str, voice_id: str | None = None) -> Voice:
+        """A zero-shot `Voice` from a 1-30 s prompt recording and its transcript."""
+        from voicertc.backends.cosyvoice2.voices import voice_from_wav
+
+        return voice_from_wav(self, path, transcript, voice_id)
+
+    def token2wav_stream(
+        self, voice: Voice, schedule: ChunkSchedule | None = None, **options: Any
+    ) -> Token2WavStream:
+        """A per-utterance `Token2WavStream` on `voice` (default `ChunkSchedule()`)."""
+        from voicertc.backends.cosyvoice2.token2wav import open_stream
+        from voicertc.engine.schedule import ChunkSchedule
+
+        schedule = schedule or ChunkSchedule()
+        return open_stream(self.flow, self.hift, voice.flow_state, voice.prompt_tokens, schedule, **options)
 
 
 def _required(path: Path) -> Path:

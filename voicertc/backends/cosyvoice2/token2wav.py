@@ -1,0 +1,196 @@
+"""Token2WavStream: one utterance's speech tokens -> mel chunks -> 24 kHz PCM, chunk by chunk.
+
+Runs on the engine thread. The pure `ChunkSchedule` says when a chunk may run (first hop padded to the
+25-token grid counted from the prompt start, then growing hops, plus the flow's 3 lookahead tokens);
+the flow advances from its per-utterance caches (work proportional to the chunk) and HiFT joins the
+chunks with the reference's mel/source caches and Hamming overlap-add. Unlike the reference, the final
+chunk keeps the chunk masks, so the concatenated mel equals the chunk-masked whole-utterance mel.
+
+Every mutable thing lives in the stream (flow state cloned from the voice, HiFT state, token buffer,
+chunk index); the model and the schedule are shared and never written. `plan()` / `complete()` split a
+chunk in two so the engine can run several utterances' flow steps as one estimator batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from voicertc.backends.cosyvoice2.flow import CausalFlow, FlowStreamState
+from voicertc.backends.cosyvoice2.hift import HiFTGenerator
+from voicertc.backends.cosyvoice2.hift_stream import HiftStreamState, hift_stream_step, init_hift_stream_state
+from voicertc.engine.schedule import ChunkSchedule
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_RATE_HZ = 24000
+SourceFn = Callable[[int], Tensor | None]  # chunk index -> injected HiFT excitation (tests), or None
+HostCopy = Callable[[Tensor], np.ndarray]  # device PCM [N] -> host float32 (the engine may use a copy stream)
+
+
+def host_copy(pcm: Tensor) -> np.ndarray:
+    """Plain synchronous device -> host copy."""
+    return pcm.detach().to("cpu", torch.float32).numpy()
+
+
+@dataclass
+class Chunk:
+    """One synthesised chunk: its mel and the PCM that is final now (HiFT holds back 160 ms)."""
+
+    index: int
+    mel: Tensor  # [1, 80, F] at 50 Hz
+    pcm: np.ndarray  # float32 mono, 24 kHz
+    final: bool
+    flow_s: float = 0.0
+    vocoder_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """The flow input of the next chunk; `advance_tokens` must match for chunks batched together."""
+
+    new_tokens: Tensor  # [1, n] generated tokens incl. the lookahead (none when final)
+    end_tokens: int  # generated tokens this chunk completes (exclusive end)
+    advance_tokens: int  # tokens the flow state advances by (pending prompt + real new tokens)
+    final: bool
+
+
+@dataclass
+class Token2WavStream:
+    """Per-utterance streaming token2wav. Owned by the engine thread; `release()` frees every cache."""
+
+    flow: CausalFlow
+    hift: HiFTGenerator
+    schedule: ChunkSchedule
+    flow_state: FlowStreamState | None
+    prompt_tokens: int
+    generator: torch.Generator | None = None
+    source_fn: SourceFn | None = None
+    pcm_to_host: HostCopy = host_copy
+    hift_state: HiftStreamState | None = field(default_factory=init_hift_stream_state)
+    tokens: list[int] = field(default_factory=list)  # every generated token pushed so far
+    emitted_tokens: int = 0  # tokens whose mel has been emitted
+    chunk_index: int = 0
+    finished: bool = False
+
+    def __post_init__(self) -> None:
+        check_schedule(self.schedule, self.flow)
+
+    # ---- tokens in, chunks out -------------------------------------------------------------------
+
+    def push(self, tokens: Sequence[int] | Tensor) -> list[Chunk]:
+        """Add generated speech tokens; run every chunk the schedule says is ready."""
+        self.add_tokens(tokens)
+        chunks = []
+        while (plan := self.plan()) is not None:
+            chunks.append(self.run(plan))
+        return chunks
+
+    def finish(self) -> list[Chunk]:
+        """No more tokens: run the ready chunks, then the final one (chunk masks kept) and flush HiFT."""
+        chunks = self.push([])
+        plan = self.plan(final=True)
+        if plan is not None:
+            chunks.append(self.run(plan))
+        self.finished = True
+        return chunks
+
+    def add_tokens(self, tokens: Sequence[int] | Tensor) -> None:
+        if self.finished or self.flow_state is None:
+            raise ValueError("this token2wav stream is finished or released")
+        ids = tokens.reshape(-1).tolist() if isinstance(tokens, Tensor) else list(tokens)
+        self.tokens.extend(int(t) for t in ids)
+
+    def ready(self) -> bool:
+        """The next non-final chunk has all its tokens (incl. lookahead)."""
+        if self.finished or self.flow_state is None:
+            return False
+        return self.schedule.ready(self.chunk_index, self.prompt_tokens, len(self.tokens))
+
+    def plan(self, final: bool = False) -> ChunkPlan | None:
+        """The next chunk to run: a ready non-final one, else (with `final`) the last one; or None."""
+        state = self.flow_state
+        if self.finished or state is None:
+            return None
+        start = self.emitted_tokens
+        pending = state.pending_prompt.shape[1]
+        if self.ready():
+            end = self.schedule.chunk_end_tokens(self.chunk_index, self.prompt_tokens)
+            look = self.schedule.lookahead_tokens
+            new = torch.tensor([self.tokens[start : end + look]], dtype=torch.long)
+            return ChunkPlan(new, end, pending + end - start, final=False)
+        if not final or start == len(self.tokens):
+            return None  # nothing ever generated (or left): no final chunk to run
+        new = torch.tensor([self.tokens[start:]], dtype=torch.long)
+        return ChunkPlan(new, len(self.tokens), pending + len(self.tokens) - start, final=True)
+
+    def run(self, plan: ChunkPlan) -> Chunk:
+        """Flow + vocoder for one planned chunk (unbatched)."""
+        assert self.flow_state is not None
+        started = time.perf_counter()
+        mel = self.flow.stream_step(plan.new_tokens, self.flow_state, finalize=plan.final)
+        return self.complete(plan, mel, time.perf_counter() - started)
+
+    def complete(self, plan: ChunkPlan, mel: Tensor, flow_s: float = 0.0) -> Chunk:
+        """Vocode the flow's mel for `plan` and advance the stream (after a batched flow step too)."""
+        # mel: [1, 80, 2 * (end - start)] -> Chunk with pcm [~480 * frames]
+        if self.hift_state is None:
+            raise ValueError("this token2wav stream is released")
+        started = time.perf_counter()
+        source = self.source_fn(self.chunk_index) if self.source_fn is not None else None
+        pcm = hift_stream_step(
+            self.hift, mel, self.hift_state, plan.final, generator=self.generator, source=source
+        )
+        chunk = Chunk(self.chunk_index, mel, self.pcm_to_host(pcm), plan.final, flow_s=flow_s)
+        chunk.vocoder_s = time.perf_counter() - started
+        self.emitted_tokens = plan.end_tokens
+        self.chunk_index += 1
+        if plan.final:
+            self.finished = True
+            self.release()
+        logger.debug("token2wav chunk %d: %d frames, final=%s", chunk.index, mel.shape[2], plan.final)
+        return chunk
+
+    def release(self) -> None:
+        """Drop the flow and vocoder caches (cancel, failure or the end); the stream is spent."""
+        self.flow_state = None
+        self.hift_state = None
+        self.tokens = []
+        self.finished = True
+
+
+def check_schedule(schedule: ChunkSchedule, flow: CausalFlow) -> None:
+    """The flow can only cache chunks that end on its training grid and see exactly its lookahead."""
+    grid, look = flow.cfg.chunk_tokens, flow.cfg.pre_lookahead_tokens
+    if schedule.first_hop_tokens % grid or schedule.max_hop_tokens % grid:
+        raise ValueError(
+            f"schedule hops must be multiples of the flow's {grid}-token chunk "
+            f"(first_hop_tokens={schedule.first_hop_tokens}, max_hop_tokens={schedule.max_hop_tokens})"
+        )
+    if schedule.lookahead_tokens != look:
+        raise ValueError(f"schedule lookahead_tokens must equal the flow's pre_lookahead_len ({look})")
+
+
+def open_stream(
+    flow: CausalFlow,
+    hift: HiFTGenerator,
+    voice_state: FlowStreamState,
+    prompt_tokens: int,
+    schedule: ChunkSchedule,
+    **options: object,
+) -> Token2WavStream:
+    """A fresh stream starting at the voice's cached prompt state (cloned, never shared)."""
+    return Token2WavStream(
+        flow=flow,
+        hift=hift,
+        schedule=schedule,
+        flow_state=voice_state.clone(),
+        prompt_tokens=prompt_tokens,
+        **options,  # type: ignore[arg-type]
+    )

@@ -17,6 +17,8 @@ Measurement points, all on this process's `time.monotonic()`, t0 just before the
   (RTP ts - frame pts is constant: the sender recv()s, encodes and sends one packet per frame in
   sequence; checked on every packet, see `rtp_ts_mismatches`).
 - `encode_ms`: first_rtp - first_frame (aiortc's Opus encode in its executor + packetize + send).
+- `audible_rtp_ms`: the RTP packet of the first frame with a sample above 0.01 (-40 dBFS; Piper's
+  output starts quietly), the server-side counterpart of bench/browser_latency.py's threshold.
 - `server_ttfa_ms`: the server's own `speech.started` ttfa (Call.speak -> first frame).
 Prints a table; writes bench/results/call_latency.json.
 """
@@ -31,6 +33,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import numpy as np
 
 from bench.peer import HttpPeer
 from bench.report import summary, table, write_json
@@ -44,6 +47,7 @@ TEXTS = {
     "medium (10 words)": "I can help you book a table for dinner tonight.",
 }
 PLAY_S = 0.3
+AUDIBLE = 0.01  # a frame with a sample above this (-40 dBFS) is audible, as in bench/browser_latency.py
 RTP_CLOCK_MASK = 0xFFFFFFFF
 
 
@@ -52,11 +56,13 @@ def _is_rtcp(packet: bytes) -> bool:
 
 
 class SendProbe:
-    """Watches one server call: the frame that starts an utterance and the RTP packet that carries it.
+    """Watches one server call: the frames that start an utterance and the RTP packets that carry them.
 
-    Hooks (instance attributes, the package is untouched): the track's `on_playout` callback, the
-    track's `recv` (to time each frame and check the pts <-> RTP timestamp mapping), and the sender's
-    DTLS `_send_rtp`. Owned by the event loop.
+    Two marks per utterance: "first" (the frame holding its first samples: the track's "started"
+    playout event fires inside that recv()) and "audible" (the first frame with a sample above
+    AUDIBLE, the browser bench's threshold). Hooks (instance attributes, the package is untouched):
+    the track's `on_playout` callback, the track's `recv` (times each frame), and the sender's DTLS
+    `_send_rtp` (times each packet; checks RTP ts - pts is constant). Owned by the event loop.
     """
 
     def __init__(self, call: Call) -> None:
@@ -64,9 +70,12 @@ class SendProbe:
         self.rtp_ts_offset: int | None = None  # RTP ts - frame pts, from the first hooked frame
         self.rtp_packets = 0
         self.rtp_ts_mismatches = 0
-        self._last_frame: tuple[int, float] = (-1, 0.0)  # (pts, monotonic time recv() returned)
-        self._target: tuple[int, float] | None = None  # (pts, time) of the utterance's first frame
-        self._sent: asyncio.Future[tuple[float, float, float]] | None = None
+        self._last_pts = -1
+        self._armed = False
+        self._started_now = False  # the "started" event fired in the recv() under way
+        self._marks: dict[str, tuple[int, float]] = {}  # mark -> (pts, time recv() returned it)
+        self._sent: dict[str, tuple[float, float]] = {}  # mark -> (recv time, RTP send time)
+        self._all_sent: asyncio.Future[None] | None = None
         self._hook_playout()
         self._hook_recv()
         sender = next(s for s in call.pc.getSenders() if s.track is call.track)
@@ -76,8 +85,8 @@ class SendProbe:
         original = self.track.on_playout
 
         def on_playout(event: PlayoutEvent) -> None:
-            if event.kind == "started" and self._sent is not None and self._target is None:
-                self._target = (self.track.samples_sent, time.monotonic())  # pts of the frame being built
+            if event.kind == "started":
+                self._started_now = True
             if original is not None:
                 original(event)
 
@@ -87,11 +96,22 @@ class SendProbe:
         original: Callable[[], Awaitable[Any]] = self.track.recv
 
         async def recv() -> Any:
+            self._started_now = False
             frame = await original()
-            self._last_frame = (int(frame.pts), time.monotonic())
+            now = time.monotonic()
+            self._last_pts = int(frame.pts)
+            if self._armed:
+                self._mark_frame(frame, now)
             return frame
 
         self.track.recv = recv  # type: ignore[method-assign]
+
+    def _mark_frame(self, frame: Any, now: float) -> None:
+        if self._started_now and "first" not in self._marks:
+            self._marks["first"] = (self._last_pts, now)
+        if "first" in self._marks and "audible" not in self._marks:
+            if np.abs(frame.to_ndarray()).max() > AUDIBLE * 32768:
+                self._marks["audible"] = (self._last_pts, now)
 
     def _hook_send(self, transport: Any) -> None:
         original = transport._send_rtp
@@ -105,32 +125,38 @@ class SendProbe:
 
     def _on_rtp(self, rtp_ts: int, sent_s: float) -> None:
         if self.rtp_ts_offset is None:
-            if self._last_frame[0] < 0:
+            if self._last_pts < 0:
                 return  # its frame left recv() before the hooks were in place
-            self.rtp_ts_offset = rtp_ts - self._last_frame[0]
+            self.rtp_ts_offset = rtp_ts - self._last_pts
         pts = (rtp_ts - self.rtp_ts_offset) & RTP_CLOCK_MASK
         self.rtp_packets += 1
-        if pts != self._last_frame[0]:
+        if pts != self._last_pts:
             self.rtp_ts_mismatches += 1
-        if self._target is not None and self._sent is not None and not self._sent.done():
-            target_pts, frame_s = self._target
-            if pts >= target_pts:
-                self._sent.set_result((frame_s, sent_s, self._last_frame[1]))
+        for mark, (mark_pts, recv_s) in self._marks.items():
+            if mark not in self._sent and pts >= mark_pts:
+                self._sent[mark] = (recv_s, sent_s)
+        if len(self._sent) == 2 and self._all_sent is not None and not self._all_sent.done():
+            self._armed = False
+            self._all_sent.set_result(None)
 
-    def arm(self) -> asyncio.Future[tuple[float, float, float]]:
-        """Expect a new utterance: resolves to (first frame time, its RTP send time, its recv time)."""
-        self._target = None
-        self._sent = asyncio.get_running_loop().create_future()
-        return self._sent
+    async def next_utterance(self, timeout_s: float = 10.0) -> dict[str, tuple[float, float]]:
+        """Arm, and after the caller's speak: {mark: (frame recv time, its RTP send time)}."""
+        self._marks, self._sent = {}, {}
+        self._all_sent = asyncio.get_running_loop().create_future()
+        self._armed = True
+        await asyncio.wait_for(self._all_sent, timeout_s)
+        return dict(self._sent)
 
 
 async def one_run(peer: HttpPeer, probe: SendProbe, text: str) -> dict[str, float]:
     await asyncio.sleep(random.uniform(0.2, 0.5))
-    sent = probe.arm()
+    sent = asyncio.ensure_future(probe.next_utterance())
+    await asyncio.sleep(0)  # armed
     t0 = time.monotonic()
     utterance_id = await peer.speak(text)
     t_202 = time.monotonic()
-    frame_s, rtp_s, recv_s = await asyncio.wait_for(sent, 10.0)
+    marks = await sent
+    (frame_s, rtp_s), (_, audible_rtp_s) = marks["first"], marks["audible"]
     started = await peer.wait_event("speech.started", utterance_id)
     await asyncio.sleep(PLAY_S)
     await peer.interrupt()
@@ -139,14 +165,20 @@ async def one_run(peer: HttpPeer, probe: SendProbe, text: str) -> dict[str, floa
         "http_202_ms": 1000 * (t_202 - t0),
         "first_frame_ms": 1000 * (frame_s - t0),
         "first_rtp_ms": 1000 * (rtp_s - t0),
-        "encode_ms": 1000 * (rtp_s - recv_s),
+        "encode_ms": 1000 * (rtp_s - frame_s),
+        "audible_rtp_ms": 1000 * (audible_rtp_s - t0),
         "server_ttfa_ms": float(started["ttfa_ms"]),
     }
 
 
 def _row(label: str, runs: int, stats: dict[str, dict[str, float]]) -> dict[str, object]:
     row: dict[str, object] = {"sentence": label, "runs": runs}
-    for key, name in (("first_rtp_ms", "RTP"), ("first_frame_ms", "frame"), ("encode_ms", "encode")):
+    for key, name in (
+        ("first_rtp_ms", "RTP"),
+        ("first_frame_ms", "frame"),
+        ("encode_ms", "encode"),
+        ("audible_rtp_ms", "audible RTP"),
+    ):
         row[f"{name} p50 ms"] = stats[key]["p50"]
         row[f"{name} p95 ms"] = stats[key]["p95"]
     row["HTTP 202 p50 ms"] = stats["http_202_ms"]["p50"]

@@ -1,0 +1,228 @@
+"""The cosyvoice2 backend behind the real EngineWorker on the tiny model: audio and one Done with metrics,
+cancel and failure free every cache (others keep streaming), batched == unbatched, text-in streaming
+speaks before the text ends, and voice registration errors."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+from cv2_engine_helpers import (
+    GOLDEN_VOICE,
+    SFT_VOICE,
+    build_speaking_model_dir,
+    load_speaking_model,
+    make_backend,
+)
+from engine_helpers import EventLog, RecordingSink
+
+from voicertc.backends.cosyvoice2.engine_backend import CosyVoice2Backend
+from voicertc.backends.cosyvoice2.loader import CosyVoice2Model
+from voicertc.engine import Cancelled, Done, Failed, FirstAudio
+from voicertc.engine.worker import EngineWorker
+from voicertc.errors import InputError, UnknownVoiceError
+
+LONG_TEXT = "Zebras quietly jump over seven lazy dogs near Mount Vesuvius today."  # 61 tiny-BPE tokens
+TOKEN_SAMPLES = 960  # 2 mel frames x 480 samples per speech token
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir, golden_dir, tmp_path_factory) -> CosyVoice2Model:
+    model_dir = build_speaking_model_dir(tiny_model_dir, golden_dir, tmp_path_factory.mktemp("cv2_speak"))
+    return load_speaking_model(model_dir)
+
+
+def _run(backend: CosyVoice2Backend, jobs: list[tuple[str, str, str]], default_voice: str = GOLDEN_VOICE):
+    """Say each (utterance id, voice, text) on its own sink; wait for every terminal event."""
+    engine = EngineWorker(backend, default_voice=default_voice)
+    log, sinks = EventLog(), {}
+    engine.start()
+    try:
+        for uid, voice, text in jobs:
+            sinks[uid] = RecordingSink()
+            engine.open_utterance(voice, sinks[uid], log, utterance_id=uid)
+            engine.push_text(uid, text)
+            engine.end_input(uid)
+        log.wait_terminal([uid for uid, _, _ in jobs], timeout_s=300)
+    finally:
+        engine.stop()
+    return log, sinks
+
+
+def _track_streams(model, monkeypatch) -> list:
+    streams = []
+    original = model.token2wav_stream
+
+    def recording(*args, **kwargs):
+        streams.append(original(*args, **kwargs))
+        return streams[-1]
+
+    monkeypatch.setattr(model, "token2wav_stream", recording)
+    return streams
+
+
+def test_utterance_speaks_with_one_done_and_stage_metrics(model, golden_dir, monkeypatch):
+    streams = _track_streams(model, monkeypatch)
+    backend = make_backend(model, golden_dir, max_segment_tokens=60)
+    log, sinks = _run(backend, [("u1", GOLDEN_VOICE, LONG_TEXT)])
+    events = log.of("u1")
+    assert [type(e) for e in events] == [FirstAudio, Done]
+    done = events[-1]
+    pcm = sinks["u1"].samples("u1")
+    assert sinks["u1"].rates == {24000} and np.isfinite(pcm).all() and np.abs(pcm).max() > 1e-3
+    assert len(pcm) == 60 * TOKEN_SAMPLES  # 61 text tokens: eos is banned below 122, so the 60-token cap
+    assert done.audio_ms == pytest.approx(1000 * len(pcm) / 24000)
+    for key in ("frontend_s", "llm_prefill_s", "llm_decode_s", "decode_first_hop_s", "flow_s", "vocoder_s"):
+        assert done.metrics[key] > 0, key
+    assert {"ttfa_s", "rtf", "queue_wait_s"} <= set(done.metrics)
+    assert len(streams) == 1 and streams[0].flow_state is None and streams[0].hift_state is None
+    assert backend._active == {}
+
+
+def test_text_without_tokens_is_done_without_audio(model, golden_dir):
+    log, sinks = _run(make_backend(model, golden_dir), [("u1", GOLDEN_VOICE, "... !?")])
+    events = log.of("u1")
+    assert [type(e) for e in events] == [Done] and events[0].audio_ms == 0.0
+    assert sinks["u1"].samples("u1").size == 0
+
+
+def test_cancel_frees_every_cache(model, golden_dir, monkeypatch):
+    streams = _track_streams(model, monkeypatch)
+    backend = make_backend(model, golden_dir, max_segment_tokens=400)
+    engine = EngineWorker(backend, default_voice=GOLDEN_VOICE)
+    log, sink, first = EventLog(), RecordingSink(), threading.Event()
+    engine.start()
+    try:
+
+        def on_event(event):
+            log(event)
+            if isinstance(event, FirstAudio):
+                first.set()
+
+        uid = engine.say(None, sink, on_event, LONG_TEXT)
+        assert first.wait(120)
+        engine.cancel(uid)
+        log.wait_terminal([uid])
+    finally:
+        engine.stop()
+    assert isinstance(log.of(uid)[-1], Cancelled)
+    assert backend._active == {}
+    assert streams and all(s.flow_state is None and s.hift_state is None and s.tokens == [] for s in streams)
+
+
+def test_flow_failure_fails_only_its_utterance(model, golden_dir, monkeypatch):
+    """The golden voice's flow steps raise; the sft voice's utterance streams on to the end."""
+    original = model.flow.stream_step_batch
+
+    def faulty(new_tokens, states, finalize):
+        if any(s.prompt_feat.shape[1] == 34 for s in states):
+            raise RuntimeError("injected flow failure")
+        return original(new_tokens, states, finalize)
+
+    monkeypatch.setattr(model.flow, "stream_step_batch", faulty)
+    streams = _track_streams(model, monkeypatch)
+    backend = make_backend(model, golden_dir, max_segment_tokens=60)
+    log, sinks = _run(backend, [("bad", GOLDEN_VOICE, LONG_TEXT), ("good", SFT_VOICE, LONG_TEXT)])
+    bad, good = log.of("bad")[-1], log.of("good")[-1]
+    assert isinstance(bad, Failed) and "injected flow failure" in bad.message
+    assert isinstance(good, Done) and good.audio_ms == pytest.approx(60 * 40.0)
+    assert sinks["good"].samples("good").size == 60 * TOKEN_SAMPLES
+    assert all(s.flow_state is None and s.hift_state is None for s in streams)
+    assert backend._active == {}
+
+
+def _rms(x: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.square(x, dtype=np.float64))))
+
+
+def test_batched_equals_unbatched(model, golden_dir):
+    jobs = [("a", GOLDEN_VOICE, LONG_TEXT), ("b", GOLDEN_VOICE, LONG_TEXT), ("c", SFT_VOICE, LONG_TEXT)]
+    batched = make_backend(model, golden_dir, max_segment_tokens=100, max_batch=3)
+    single = make_backend(model, golden_dir, max_segment_tokens=100, max_batch=1)
+    _, sinks_b = _run(batched, jobs)
+    _, sinks_s = _run(single, jobs)
+    assert batched.stats["batched_chunks"] >= 2 and single.stats["batched_chunks"] == 0
+    for uid, _, _ in jobs:
+        a, b = sinks_b[uid].samples(uid), sinks_s[uid].samples(uid)
+        assert a.size == 100 * TOKEN_SAMPLES
+        # the estimator batch changes float32 rounding (mel ~1e-6); HiFT's f0 head (gain ~400) turns
+        # that into sample differences of a few 1e-4: the difference stays 50 dB below the signal
+        np.testing.assert_allclose(a, b, atol=2e-3, rtol=0)
+        assert _rms(a - b) < 3e-3 * _rms(a)
+    assert not np.allclose(sinks_b["a"].samples("a"), sinks_b["b"].samples("b"))  # own RNG per utterance
+
+
+def test_first_audio_arrives_before_the_text_stream_ends(model, golden_dir):
+    backend = make_backend(model, golden_dir, max_segment_tokens=120)
+    engine = EngineWorker(backend, default_voice=SFT_VOICE)
+    log, sink, first = EventLog(), RecordingSink(), threading.Event()
+    engine.start()
+    try:
+
+        def on_event(event):
+            log(event)
+            if isinstance(event, FirstAudio):
+                first.set()
+
+        uid = engine.open_utterance(None, sink, on_event)
+        for word in (LONG_TEXT + " And").split(" "):
+            engine.push_text(uid, word + " ")
+        assert first.wait(120), "no audio before the end of the text stream"
+        assert backend._active[uid].backend_state.mode == "deltas"
+        engine.push_text(uid, "then it ends.")
+        engine.end_input(uid)
+        log.wait_terminal([uid], timeout_s=300)
+    finally:
+        engine.stop()
+    assert [type(e) for e in log.of(uid)] == [FirstAudio, Done]
+    assert sink.samples(uid).size > 28 * TOKEN_SAMPLES
+
+
+def _wav(path, seconds: float, rate_hz: int = 44100, channels: int = 2):
+    t = np.arange(int(seconds * rate_hz)) / rate_hz
+    tone = 0.3 * np.sin(2 * np.pi * 180 * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t))
+    soundfile.write(str(path), np.stack([tone] * channels, axis=1).astype(np.float32), rate_hz)
+    return path
+
+
+def test_voice_registration_persists_and_bad_prompts_are_refused(model, golden_dir, tmp_path):
+    voices_dir = tmp_path / "voices"
+    backend = make_backend(model, golden_dir, voices_dir=voices_dir)
+    before = backend.voices()
+    (tmp_path / "notes.wav").write_text("not audio")
+    bad = [
+        (tmp_path / "notes.wav", "hello", "not a readable audio file"),
+        (_wav(tmp_path / "short.wav", 0.5), "hello", "shorter than 1 s"),
+        (_wav(tmp_path / "long.wav", 31.0, 16000, 1), "hello", "longer than 30 s"),
+        (_wav(tmp_path / "ok.wav", 2.0), "  ", "transcript is empty"),
+    ]
+    for path, transcript, message in bad:
+        with pytest.raises(InputError, match=message):
+            backend.register_voice(path, transcript, "mine")
+    assert backend.voices() == before and not voices_dir.exists()
+    with pytest.raises(UnknownVoiceError):
+        backend.book.get("nobody")
+    with pytest.raises(UnknownVoiceError):
+        backend.delete_voice("nobody")
+
+    assert backend.register_voice(tmp_path / "ok.wav", "Hello world.", "mine") == "mine"
+    with pytest.raises(InputError, match="already exists"):
+        backend.register_voice(tmp_path / "ok.wav", "Hello world.", "mine")
+    voice = backend.book.get("mine")
+    assert voice.prompt_tokens == 50 and voice.prompt_feat.shape == (1, 100, 80)  # 2 s at 25 Hz, 2:1
+    assert voice.llm_prompt_tokens == tuple(voice.flow_prompt_tokens[0].tolist())
+    assert voice.prompt_text_tokens == tuple(model.text_frontend.encode("Hello world."))
+    reloaded = CosyVoice2Backend(model, voices_dir=voices_dir).book.get("mine")
+    assert torch.equal(reloaded.prompt_feat, voice.prompt_feat)
+    assert reloaded.prompt_text_tokens == voice.prompt_text_tokens
+    assert reloaded.flow_state.encoder.tokens == voice.flow_state.encoder.tokens == 25
+    backend.delete_voice("mine")
+    assert "mine" not in backend.voices() and list(voices_dir.iterdir()) == []

@@ -1,0 +1,140 @@
+"""CosyVoice2 streaming engine on full-size random weights: flow cost per chunk and time to first audio.
+
+    .venv/bin/python -m bench.make_full_model_dir      # once: .models/cv2_full (about 2.5 GB)
+    .venv/bin/python -m bench.cv2_stream [--chunks 12] [--runs 3] [--device cpu]
+
+(a) Flow cost of chunks 1..N of one long utterance with the hop fixed at 25 tokens: the incremental
+    `stream_step` (caches; min of 3 timings from cloned states) beside the reference's recompute of
+    the prompt and every token so far (`flow.infer` over the prefix), in the same run, with the max
+    difference of the new frames. Incremental should stay flat (chunk N <= 1.3 x chunk 2).
+(b) Time to first audio through `CosyVoice2Backend.step` (no worker queue): frontend, LLM prefill,
+    decode to the first hop, flow and vocoder of the first chunk, for a zero-shot voice with a 3 s
+    prompt (75 tokens) and a 26-token transcript.
+Prints two tables and writes bench/results/cv2_stream_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench.cv2_flow_chunks import timed
+from bench.make_full_model_dir import DEFAULT_OUT, make_full_model_dir
+from bench.report import summary, table, write_json
+from voicertc.backends.cosyvoice2.engine_backend import BackendOptions, CosyVoice2Backend
+from voicertc.backends.cosyvoice2.flow import CausalFlow
+from voicertc.backends.cosyvoice2.loader import CosyVoice2Model, load
+from voicertc.engine.utterance import Utterance
+
+HOP, LOOKAHEAD, PROMPT_TOKENS = 25, 3, 17
+TEXT = "The quick brown fox jumps over the lazy dog while the band plays on the square."
+TRANSCRIPT = "Hello world, this is a tiny tokenizer speaking as a voice prompt for the benchmark."
+
+
+def flow_chunk_rows(flow: CausalFlow, chunks: int, device: str) -> list[dict[str, object]]:
+    gen = torch.Generator().manual_seed(7)
+    vocab, pad = flow.cfg.vocab_size, -PROMPT_TOKENS % HOP
+    prompt = torch.randint(0, vocab, (1, PROMPT_TOKENS), generator=gen).to(device)
+    feat = (torch.randn(1, 2 * PROMPT_TOKENS, 80, generator=gen) - 3.0).to(device)
+    embedding = torch.randn(1, 192, generator=gen).to(device)
+    tokens = torch.randint(0, vocab, (1, pad + HOP * chunks + LOOKAHEAD), generator=gen).to(device)
+    state = flow.init_stream(prompt, feat, embedding)
+    rows, offset = [], 0
+    for index in range(chunks):
+        end = offset + HOP + (pad if index == 0 else 0)
+        piece = tokens[:, offset : end + LOOKAHEAD]
+        times = [
+            timed(lambda p=piece: flow.stream_step(p, state.clone(), False), device)[1] for _ in range(2)
+        ]
+        mel, t_inc = timed(lambda p=piece: flow.stream_step(p, state, False), device)
+        ref, t_ref = timed(
+            lambda e=end: flow.infer(tokens[:, : e + LOOKAHEAD], prompt, feat, embedding, streaming=True,
+                                     finalize=False),
+            device,
+        )  # fmt: skip
+        diff = float((ref[:, :, 2 * offset :] - mel).abs().max())
+        rows.append(
+            {"chunk": index + 1, "end_token": end, "new_frames": mel.shape[2],
+             "prefix_frames": ref.shape[2], "incremental_ms": 1e3 * min(times + [t_inc]),
+             "recompute_ms": 1e3 * t_ref, "max_abs_diff": f"{diff:.1e}"}
+        )  # fmt: skip
+        offset = end
+    return rows
+
+
+def _utterance(uid: str, voice_id: str) -> Utterance:
+    now = time.monotonic()
+    return Utterance(
+        utterance_id=uid, voice=voice_id, sink=None, on_event=lambda e: None,  # type: ignore[arg-type]
+        generation=0, opened_s=now, text=TEXT, input_ended=True, first_text_s=now,
+    )  # fmt: skip
+
+
+def ttfa_rows(model: CosyVoice2Model, runs: int, device: str) -> tuple[list[dict[str, object]], float]:
+    gen = torch.Generator().manual_seed(11)
+    started = time.perf_counter()
+    voice = model.voice_from_features(
+        torch.randint(0, 6561, (1, 75), generator=gen),
+        torch.randn(1, 150, 80, generator=gen) - 3.0,
+        torch.randn(1, 192, generator=gen),
+        model.text_frontend.encode(TRANSCRIPT),
+        voice_id="bench",
+    )
+    voice_prep_s = time.perf_counter() - started
+    backend = CosyVoice2Backend(model, options=BackendOptions(seed=5))
+    backend.add_voice(voice, persist=False)
+    rows = []
+    for run in range(runs):
+        utt = _utterance(f"run{run}", "bench")
+        backend.begin(utt)
+        started = time.perf_counter()
+        while not (step := backend.step(utt, time.monotonic())).pcm and not step.done:
+            pass
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        ttfa_s = time.perf_counter() - started
+        m = utt.metrics
+        rows.append(
+            {"run": run, "frontend_ms": 1e3 * m.get("frontend_s", 0), "prefill_ms": 1e3 * m["llm_prefill_s"],
+             "decode_first_hop_ms": 1e3 * m.get("decode_first_hop_s", 0), "flow_ms": 1e3 * m.get("flow_s", 0),
+             "vocoder_ms": 1e3 * m.get("vocoder_s", 0), "ttfa_ms": 1e3 * ttfa_s,
+             "first_audio_ms": 1000 * sum(len(p) for p in step.pcm) / 24000,
+             "tokens": len(utt.backend_state.t2w.tokens) if utt.backend_state.t2w else 0}
+        )  # fmt: skip
+        backend.release(utt)
+    return rows, voice_prep_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-dir", default=str(DEFAULT_OUT))
+    parser.add_argument("--chunks", type=int, default=12)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    make_full_model_dir(DEFAULT_OUT) if args.model_dir == str(DEFAULT_OUT) else None
+    model = load(args.model_dir, args.device)
+
+    flow_rows = flow_chunk_rows(model.flow, args.chunks, args.device)
+    print(table(flow_rows, list(flow_rows[0])))
+    inc = {r["chunk"]: r["incremental_ms"] for r in flow_rows}
+    flat = float(inc[args.chunks]) / float(inc[2])  # type: ignore[arg-type]
+    print(f"incremental chunk {args.chunks} / chunk 2 = {flat:.2f} (target <= 1.3)")
+
+    rows, voice_prep_s = ttfa_rows(model, args.runs, args.device)
+    print(table(rows, list(rows[0])))
+    print(f"voice preparation (flow prompt state + LLM prefix, once per voice): {1e3 * voice_prep_s:.0f} ms")
+    ttfa = summary([float(r["ttfa_ms"]) for r in rows])  # type: ignore[arg-type]
+    print(f"ttfa_ms p50 {ttfa['p50']:.0f}, p95 {ttfa['p95']:.0f}")
+    record = {"args": vars(args), "flow_chunks": flow_rows, "flat_ratio": flat, "ttfa": rows,
+              "ttfa_summary_ms": ttfa, "voice_prep_ms": 1e3 * voice_prep_s}  # fmt: skip
+    name = "cv2_stream_" + args.device.split(":")[0]
+    print(f"wrote {write_json(name, record)}")
+
+
+if __name__ == "__main__":
+    main()

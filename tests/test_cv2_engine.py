@@ -226,3 +226,20 @@ def test_voice_registration_persists_and_bad_prompts_are_refused(model, golden_d
     assert reloaded.flow_state.encoder.tokens == voice.flow_state.encoder.tokens == 25
     backend.delete_voice("mine")
     assert "mine" not in backend.voices() and list(voices_dir.iterdir()) == []
+
+
+def test_factory_builds_the_cosyvoice2_engine_from_config(model, tmp_path):
+    from voicertc.config import Config, EngineConfig
+    from voicertc.engine.factory import create_engine
+
+    config = Config(
+        engine=EngineConfig(
+            backend="cosyvoice2", model_dir=str(model.model_dir), device="auto", voices_dir=str(tmp_path)
+        )
+    )
+    engine = create_engine(config)
+    assert isinstance(engine.backend, CosyVoice2Backend)
+    assert engine.voices() == [SFT_VOICE]
+    assert engine.backend.model.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(UnknownVoiceError):
+        engine.resolve_voice("nobody")

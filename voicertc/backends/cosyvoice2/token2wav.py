@@ -144,8 +144,9 @@ class Token2WavStream:
             raise ValueError("this token2wav stream is released")
         started = time.perf_counter()
         source = self.source_fn(self.chunk_index) if self.source_fn is not None else None
+        vocoder_mel = mel.float()  # HiFT stays float32 when the flow runs in half precision
         pcm = hift_stream_step(
-            self.hift, mel, self.hift_state, plan.final, generator=self.generator, source=source
+            self.hift, vocoder_mel, self.hift_state, plan.final, generator=self.generator, source=source
         )
         chunk = Chunk(self.chunk_index, mel, self.pcm_to_host(pcm), plan.final, flow_s=flow_s)
         chunk.vocoder_s = time.perf_counter() - started

@@ -57,7 +57,7 @@ def create_app(config: Config, engine: Engine | None = None) -> web.Application:
     async def start_engine(_app: web.Application) -> None:
         if config.webrtc.loopback_only:
             restore_ice.append(patch_aioice_loopback())  # offer 127.0.0.1 (aioice skips it by default)
-        engine.start()
+        await asyncio.get_running_loop().run_in_executor(None, engine.start)  # loads models off the loop
 
     async def close_calls(_app: web.Application) -> None:
         await app[REGISTRY].close_all()

@@ -17,6 +17,7 @@ class RecordingSink:
         self.pcm: dict[str, list[np.ndarray]] = {}
         self.rates: set[int] = set()
         self.ended: list[str] = []
+        self.aborted: list[str] = []
         self.room_samples = room_samples
         self.listener = None
         self.lock = threading.Lock()
@@ -31,6 +32,9 @@ class RecordingSink:
 
     def end_utterance(self, utterance_id, generation) -> None:
         self.ended.append(utterance_id)
+
+    def abort_utterance(self, utterance_id, generation) -> None:
+        self.aborted.append(utterance_id)
 
     def has_room(self) -> bool:
         return self.room_samples is None or self.queued() < self.room_samples

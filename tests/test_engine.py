@@ -9,8 +9,9 @@ from engine_helpers import EventLog, RecordingSink
 
 from voicertc.config import FakeConfig
 from voicertc.engine import Cancelled, Done, Failed, FirstAudio
-from voicertc.engine.fake import FakeEngine
-from voicertc.errors import UnknownVoiceError
+from voicertc.engine.fake import FakeBackend, FakeEngine
+from voicertc.engine.worker import EngineWorker
+from voicertc.errors import EngineStoppedError, ModelDirError, UnknownVoiceError
 
 
 @pytest.fixture
@@ -59,9 +60,86 @@ def test_cancel_mid_utterance_frees_state(engine):
     engine.cancel(uid)
     log.wait_terminal([uid])
     assert isinstance(terminal(log.of(uid))[0], Cancelled)
+    # state is freed when the terminal event is sent, not only at shutdown
+    assert uid not in engine._utterances and engine._open_count == 0
+    assert sink.aborted == [uid] and sink.ended == []
     engine.cancel(uid)  # a second cancel of a finished utterance is harmless
-    engine.stop()
-    assert engine._utterances == {} and engine._open_count == 0
+    again = engine.say(None, RecordingSink(), log, "Next.")
+    log.wait_terminal([again])
+    assert len(terminal(log.of(uid))) == 1
+
+
+class FailsOnSilence(FakeBackend):
+    """Fails the `silence` voice's utterances on their third chunk; `tone` ones are fine."""
+
+    def step(self, utt, now_s):
+        if utt.voice == "silence" and utt.backend_state.chunks_done == 2:
+            raise RuntimeError("boom in the middle of an utterance")
+        return super().step(utt, now_s)
+
+
+def test_failure_mid_utterance_leaves_a_concurrent_streaming_one_intact():
+    eng = EngineWorker(FailsOnSilence(FakeConfig(ttfa_ms=0, rtf=0.05, chunk_ms=100)))
+    eng.start()
+    try:
+        log = EventLog()
+        good_sink, bad_sink = RecordingSink(), RecordingSink()
+        good = eng.say("tone", good_sink, log, "A long utterance that keeps streaming for a while. " * 2)
+        bad = eng.say("silence", bad_sink, log, "This one breaks after two chunks of audio, mid-way.")
+        log.wait_terminal([good, bad])
+        order = [e.utterance_id for e in log.events if isinstance(e, (Done, Failed))]
+        assert order == [bad, good]  # the failure happened while `good` was still streaming
+        assert isinstance(terminal(log.of(bad))[0], Failed) and "boom" in terminal(log.of(bad))[0].message
+        assert bad_sink.aborted == [bad] and len(bad_sink.samples(bad)) == 2 * 2400
+        done = terminal(log.of(good))[0]
+        assert isinstance(done, Done) and good_sink.ended == [good]
+        assert done.audio_ms == pytest.approx(1000 * len(good_sink.samples(good)) / 24000)
+    finally:
+        eng.stop()
+
+
+def test_a_stopped_engine_refuses_new_utterances_and_cancels_open_ones():
+    eng = FakeEngine(FakeConfig(ttfa_ms=0, rtf=0.0))
+    with pytest.raises(EngineStoppedError):
+        eng.say(None, RecordingSink(), EventLog(), "not started yet")
+    eng.start()
+    log, sink = EventLog(), RecordingSink(room_samples=2400)
+    uid = eng.say(None, sink, log, "Held by backpressure. " * 10)
+    with log.cond:
+        assert log.cond.wait_for(lambda: bool(log.of(uid)), 5)
+    eng.stop()
+    assert [type(e) for e in terminal(log.of(uid))] == [Cancelled]
+    with pytest.raises(EngineStoppedError, match="not running"):
+        eng.say(None, sink, log, "too late")
+    assert eng._open_count == 0
+
+
+def test_a_lazy_backend_is_built_on_the_worker_thread():
+    built_on: list[str] = []
+
+    def factory():
+        built_on.append(threading.current_thread().name)
+        return FakeBackend(FakeConfig(ttfa_ms=0))
+
+    eng = EngineWorker(backend_factory=factory, name="fake")
+    assert eng.voices() == []
+    eng.start()
+    try:
+        assert built_on == ["voicertc-fake"] and "tone" in eng.voices()
+    finally:
+        eng.stop()
+
+
+def test_a_backend_load_error_is_raised_by_start():
+    def factory():
+        raise ModelDirError("llm.pt: truncated file")
+
+    eng = EngineWorker(backend_factory=factory, name="broken")
+    with pytest.raises(ModelDirError, match="llm.pt"):
+        eng.start()
+    assert not eng.running
+    with pytest.raises(EngineStoppedError):
+        eng.say(None, RecordingSink(), EventLog(), "hello")
 
 
 def test_failing_utterance_leaves_a_concurrent_one_intact():

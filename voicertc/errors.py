@@ -31,3 +31,9 @@ class InputError(VoiceRTCError):
     """Bad text or audio given to the engine (empty, too long, not audio...)."""
 
     code = "bad_input"
+
+
+class EngineStoppedError(VoiceRTCError):
+    """The engine is not running (not started, stopped, or its backend failed to load)."""
+
+    code = "engine_stopped"

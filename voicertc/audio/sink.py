@@ -72,6 +72,12 @@ class RingSink:
                 return
         self.ring.end_utterance(utterance_id, generation)
 
+    def abort_utterance(self, utterance_id: str, generation: int) -> None:
+        """The utterance ends early (failed or cancelled): drop its resampler state, mark its end so
+        playback stops counting it as playing once its queued audio has gone out."""
+        self._streams.pop(utterance_id, None)
+        self.ring.end_utterance(utterance_id, generation)
+
     def _stream_for(self, utterance_id: str, sample_rate_hz: int, generation: int) -> _UtteranceStream:
         self._drop_stale(generation)
         stream = self._streams.get(utterance_id)

@@ -1,31 +1,47 @@
-"""create_engine(config): the engine the config names, ready to `start()`."""
+"""create_engine(config): the engine the config names, ready to `start()`.
+
+The backend itself (model loading, onnxruntime sessions, a CUDA context) is built on the engine's
+worker thread when it starts, never on the caller's thread (the event loop).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from voicertc.config import Config
+from voicertc.engine.backend import Backend
 from voicertc.engine.worker import EngineWorker
+from voicertc.errors import ConfigError
 
 
-def create_engine(config: Config) -> EngineWorker:
-    """Build the configured backend behind an EngineWorker (not started)."""
+def backend_factory(config: Config) -> Callable[[], Backend]:
+    """A function that builds the configured backend (called on the worker thread)."""
     kind = config.engine.backend
     if kind == "fake":
         from voicertc.engine.fake import FakeBackend
 
-        backend = FakeBackend(config.fake)
-    elif kind == "piper":
-        from voicertc.backends.piper import PiperBackend
-
-        backend = PiperBackend(
+        return lambda: FakeBackend(config.fake)  # type: ignore[return-value]
+    if kind == "piper":
+        try:
+            from voicertc.backends.piper import PiperBackend
+        except ImportError as exc:
+            raise ConfigError(f"engine.backend = 'piper' needs the cpu-voice extra: {exc}") from exc
+        return lambda: PiperBackend(  # type: ignore[return-value]
             threads=config.engine.piper_threads,
             first_clause_min_chars=config.engine.first_clause_min_chars,
         )
-    else:
+    try:
         from voicertc.backends.cosyvoice2.engine_backend import create_backend
+    except ImportError as exc:
+        raise ConfigError(f"engine.backend = 'cosyvoice2' needs the cosyvoice extra: {exc}") from exc
+    return lambda: create_backend(config)  # type: ignore[return-value]
 
-        backend = create_backend(config)
+
+def create_engine(config: Config) -> EngineWorker:
+    """An EngineWorker for the configured backend (not started; `start()` builds and waits for it)."""
     return EngineWorker(
-        backend,  # type: ignore[arg-type]
+        backend_factory=backend_factory(config),
+        name=config.engine.backend,
         default_voice=config.engine.default_voice,
         max_text_chars=config.limits.max_text_chars,
         max_utterances=config.limits.max_utterances,

@@ -116,6 +116,10 @@ class AudioSink(Protocol):
         """No more audio for this utterance: flush the resampler and mark the end for playback."""
         ...
 
+    def abort_utterance(self, utterance_id: str, generation: int) -> None:
+        """The utterance ended early (failed or cancelled): free its state and mark its end."""
+        ...
+
     def has_room(self) -> bool:
         """Below the high-water mark: the engine may write another piece."""
         ...

@@ -36,7 +36,7 @@ from voicertc.engine.protocol import (
 )
 from voicertc.engine.scheduler import is_runnable, pick_next, sink_heads
 from voicertc.engine.utterance import Utterance
-from voicertc.errors import InputError, UnknownVoiceError, VoiceRTCError
+from voicertc.errors import EngineStoppedError, InputError, UnknownVoiceError, VoiceRTCError
 
 logger = logging.getLogger(__name__)
 
@@ -44,18 +44,28 @@ PIECE_MS = 100  # audio is written to sinks in pieces of at most this, so backpr
 
 
 class EngineWorker:
-    """Implements `voicertc.engine.protocol.Engine` on top of one `Backend`."""
+    """Implements `voicertc.engine.protocol.Engine` on top of one `Backend`.
+
+    Pass a `backend`, or a `backend_factory` to have the backend (model loading, device context) built
+    on the worker thread itself; `start()` then waits until it is ready and re-raises a load error.
+    """
 
     def __init__(
         self,
-        backend: Backend,
+        backend: Backend | None = None,
         *,
+        backend_factory: Callable[[], Backend] | None = None,
+        name: str = "",
         default_voice: str = "",
         max_text_chars: int = 20_000,
         max_utterances: int = 64,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.backend = backend
+        if (backend is None) == (backend_factory is None):
+            raise ValueError("give exactly one of backend and backend_factory")
+        self.backend: Backend = backend  # type: ignore[assignment]  # set on the worker thread if lazy
+        self._backend_factory = backend_factory
+        self.name = name or getattr(backend, "name", "engine")
         self.default_voice = default_voice
         self.max_text_chars = max_text_chars
         self.max_utterances = max_utterances
@@ -64,22 +74,43 @@ class EngineWorker:
         self._utterances: dict[str, Utterance] = {}  # worker thread only
         self._open_count = 0
         self._count_lock = threading.Lock()
+        self._lifecycle_lock = threading.Lock()  # orders OpenUtterance before Stop in the queue
+        self._accepting = False
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.stats = {"utterances": 0, "done": 0, "cancelled": 0, "failed": 0}
 
     # --- thread-safe API -------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._run, name=f"voicertc-{self.backend.name}", daemon=True)
-        self._thread.start()
+        """Start the worker thread; blocks until the backend is ready (call it off the event loop)."""
+        with self._lifecycle_lock:
+            if self._thread is not None:
+                return
+            self._ready.clear()
+            self._load_error = None
+            self._thread = threading.Thread(target=self._run, name=f"voicertc-{self.name}", daemon=True)
+            self._thread.start()
+        self._ready.wait()
+        if self._load_error is not None:
+            self._thread.join()
+            self._thread = None
+            raise self._load_error
+        self._accepting = True
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self._thread is None:
+        """Cancel every open utterance, stop the thread, close the backend."""
+        with self._lifecycle_lock:
+            thread = self._thread
+            if thread is None:
+                return
+            self._accepting = False
+            self._queue.put(Stop())
+        thread.join(timeout_s)
+        if thread.is_alive():
+            logger.error("engine %s did not stop within %.0f s", self.name, timeout_s)
             return
-        self._queue.put(Stop())
-        self._thread.join(timeout_s)
         self._thread = None
 
     @property
@@ -87,11 +118,11 @@ class EngineWorker:
         return self._thread is not None and self._thread.is_alive()
 
     def voices(self) -> list[str]:
-        return self.backend.voices()
+        return self.backend.voices() if self._ready.is_set() and self.backend is not None else []
 
     def resolve_voice(self, voice: str | None) -> str:
         """The voice id to use for `voice` (None/'' = default); UnknownVoiceError names a bad one."""
-        voices = self.backend.voices()
+        voices = self.voices()
         if not voice:
             voice = self.default_voice or (voices[0] if voices else "")
         if voice not in voices:
@@ -101,13 +132,18 @@ class EngineWorker:
     def open_utterance(
         self, voice: str | None, sink: AudioSink, on_event: EventCallback, utterance_id: str | None = None
     ) -> str:
+        if not self._accepting:
+            raise EngineStoppedError(f"engine {self.name} is not running")
         resolved = self.resolve_voice(voice)
-        with self._count_lock:
-            if self._open_count >= self.max_utterances:
-                raise InputError(f"too many open utterances (limit {self.max_utterances})")
-            self._open_count += 1
         uid = utterance_id or uuid.uuid4().hex[:12]
-        self._queue.put(OpenUtterance(uid, resolved, sink, on_event, sink.generation))
+        with self._lifecycle_lock:
+            if not self._accepting:
+                raise EngineStoppedError(f"engine {self.name} is not running")
+            with self._count_lock:
+                if self._open_count >= self.max_utterances:
+                    raise InputError(f"too many open utterances (limit {self.max_utterances})")
+                self._open_count += 1
+            self._queue.put(OpenUtterance(uid, resolved, sink, on_event, sink.generation))
         return uid
 
     def push_text(self, utterance_id: str, text: str) -> None:
@@ -131,7 +167,9 @@ class EngineWorker:
     # --- the worker thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        logger.info("engine %s started", self.backend.name)
+        if not self._build_backend():
+            return
+        logger.info("engine %s started", self.name)
         running = True
         try:
             while running:
@@ -143,9 +181,23 @@ class EngineWorker:
                 else:
                     running = self._drain(block=True, timeout_s=self._idle_timeout_s())
         except Exception:
-            logger.exception("engine %s worker crashed", self.backend.name)
+            logger.exception("engine %s worker crashed", self.name)
         finally:
+            self._accepting = False
             self._teardown()
+
+    def _build_backend(self) -> bool:
+        """Build a lazy backend here, on the thread that will own it; report readiness to start()."""
+        try:
+            if self._backend_factory is not None:
+                self.backend = self._backend_factory()
+            return True
+        except BaseException as exc:  # noqa: BLE001 - re-raised by start() on the caller's thread
+            logger.error("engine %s: backend failed to load: %s", self.name, exc)
+            self._load_error = exc
+            return False
+        finally:
+            self._ready.set()
 
     def _runnable_heads(self) -> list[Utterance]:
         now_s, runnable = self.clock(), []
@@ -158,7 +210,13 @@ class EngineWorker:
         return runnable
 
     def _idle_timeout_s(self) -> float | None:
-        wakes = [w for u in self._utterances.values() if (w := self.backend.wake_at(u)) is not None]
+        wakes = []
+        for utt in list(self._utterances.values()):
+            try:
+                if (wake_s := self.backend.wake_at(utt)) is not None:
+                    wakes.append(wake_s)
+            except Exception as exc:  # noqa: BLE001 - isolated per utterance
+                self._fail(utt, exc)
         return max(0.0, min(wakes) - self.clock()) if wakes else None
 
     def _drain(self, block: bool, timeout_s: float | None = None) -> bool:
@@ -292,6 +350,11 @@ class EngineWorker:
         if self._utterances.pop(utt.utterance_id, None) is None:
             return
         utt.pending_pcm.clear()
+        if not isinstance(event, Done):
+            try:
+                utt.sink.abort_utterance(utt.utterance_id, utt.generation)
+            except Exception:
+                logger.exception("utterance %s: sink abort failed", utt.utterance_id)
         try:
             self.backend.release(utt)
         except Exception:
@@ -308,13 +371,27 @@ class EngineWorker:
             logger.exception("utterance %s: event callback failed", utt.utterance_id)
 
     def _teardown(self) -> None:
+        """Cancel open utterances and any still queued (opened before Stop), then close the backend."""
+        while True:
+            try:
+                command = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, OpenUtterance):
+                with self._count_lock:
+                    self._open_count -= 1
+                self.stats["cancelled"] += 1
+                try:
+                    command.on_event(Cancelled(command.utterance_id))
+                except Exception:
+                    logger.exception("utterance %s: event callback failed", command.utterance_id)
         for utt in list(self._utterances.values()):
             self._finish(utt, Cancelled(utt.utterance_id))
         try:
             self.backend.close()
         except Exception:
-            logger.exception("engine %s: backend close failed", self.backend.name)
-        logger.info("engine %s stopped", self.backend.name)
+            logger.exception("engine %s: backend close failed", self.name)
+        logger.info("engine %s stopped", self.name)
 
 
 def as_float32(pcm: np.ndarray) -> np.ndarray:

@@ -15,8 +15,6 @@ import time
 import uuid
 from collections.abc import Callable
 
-import numpy as np
-
 from voicertc.engine.backend import Backend, SynthStep
 from voicertc.engine.protocol import (
     AudioSink,
@@ -393,9 +391,3 @@ class EngineWorker:
             logger.exception("engine %s: backend close failed", self.name)
         logger.info("engine %s stopped", self.name)
 
-
-def as_float32(pcm: np.ndarray) -> np.ndarray:
-    """PCM as contiguous float32 (int16 input is scaled to [-1, 1])."""
-    if pcm.dtype == np.int16:
-        return (pcm.astype(np.float32) / 32768.0).copy()
-    return np.ascontiguousarray(pcm, dtype=np.float32)

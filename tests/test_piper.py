@@ -29,7 +29,7 @@ def test_sentence_is_spoken_at_22050_hz_in_growing_chunks(piper_engine):
         writes.append(len(pcm))
         return original(pcm, rate, uid, gen)
 
-    sink.write = spy
+    sink.write = spy  # every piece the engine writes is at most 100 ms
     text = "Hello, this is a real time voice test. The quick brown fox jumps over the lazy dog."
     uid = piper_engine.say(None, sink, log, text)
     log.wait_terminal([uid], timeout_s=60)
@@ -40,17 +40,26 @@ def test_sentence_is_spoken_at_22050_hz_in_growing_chunks(piper_engine):
     assert np.abs(pcm).max() < 1.0 and pcm.std() > 0.02
     done = log.of(uid)[-1]
     assert done.metrics["rtf"] > 0
+    assert writes and max(writes) <= 2205 and sum(writes) == len(pcm)
 
 
-def test_first_chunk_is_a_short_clause(piper_engine):
+def test_first_chunk_is_a_short_clause_and_later_chunks_grow(piper_engine):
     backend = piper_engine.backend
-    first_clause = np.concatenate(backend.synthesize("Sure, here is the thing."))
-    log, sink = EventLog(), RecordingSink()
-    uid = piper_engine.say(
-        None, sink, log, "Sure, here is the thing. " + "And then a much longer sentence. " * 3
-    )
-    log.wait_terminal([uid], timeout_s=60)
-    assert len(sink.samples(uid)) > 2 * len(first_clause)
+    spoken: list[str] = []
+    original = backend.synthesize
+    backend.synthesize = lambda text: spoken.append(text) or original(text)
+    try:
+        log, sink = EventLog(), RecordingSink()
+        sentences = [f"This is sentence number {n}, which has a handful of words." for n in range(12)]
+        uid = piper_engine.say(None, sink, log, "Sure, here is the thing. " + " ".join(sentences))
+        log.wait_terminal([uid], timeout_s=120)
+    finally:
+        backend.synthesize = original
+    assert spoken[0] == "Sure, here is the thing."
+    sizes = [len(text) for text in spoken]
+    assert all(size <= backend.chunk_limit_chars(i) for i, size in enumerate(sizes))
+    assert max(sizes[3:]) > 2 * sizes[1] > 0  # later chunks are bigger: whole sentences, merged
+    assert " ".join(spoken).split() == ("Sure, here is the thing. " + " ".join(sentences)).split()
 
 
 def test_punctuation_only_gives_done_without_audio(piper_engine):

@@ -40,7 +40,7 @@ def _bundled_voice_paths() -> tuple[Path, Path]:
 
 
 class PiperBackend:
-    """Piper VITS voice behind the engine's Backend protocol."""
+    """Piper VITS voice behind the engine's Backend protocol. Runs on the engine worker thread."""
 
     name = "piper"
 
@@ -51,7 +51,8 @@ class PiperBackend:
         *,
         threads: int = 1,
         first_clause_min_chars: int = 12,
-        max_chunk_chars: int = 300,
+        second_chunk_chars: int = 80,
+        max_chunk_chars: int = 200,
     ) -> None:
         import onnxruntime
         from piper import PiperVoice, SynthesisConfig
@@ -78,6 +79,7 @@ class PiperBackend:
         self.sample_rate_hz = int(piper_config.sample_rate)
         self.voice_id = model_path.name.removesuffix(".onnx")
         self.first_clause_min_chars = first_clause_min_chars
+        self.second_chunk_chars = second_chunk_chars
         self.max_chunk_chars = max_chunk_chars
         logger.info(
             "piper voice %s loaded (%d Hz, %d thread(s))", self.voice_id, self.sample_rate_hz, threads
@@ -89,6 +91,13 @@ class PiperBackend:
     def begin(self, utt: Utterance) -> None:
         utt.backend_state = _PiperState()
 
+    def chunk_limit_chars(self, chunk_index: int) -> int:
+        """Text per chunk grows 2x from the second chunk on, so each step (the engine thread is shared by
+        every call) stays short while the audio queued ahead grows faster than it plays."""
+        if chunk_index == 0:
+            return self.max_chunk_chars
+        return min(self.max_chunk_chars, self.second_chunk_chars * 2 ** (chunk_index - 1))
+
     def _next_chunk(self, utt: Utterance) -> tuple[str, str] | None:
         state: _PiperState = utt.backend_state
         return next_text_chunk(
@@ -96,7 +105,7 @@ class PiperBackend:
             input_ended=utt.input_ended,
             first=state.chunks_done == 0,
             min_first_chars=self.first_clause_min_chars,
-            max_chars=self.max_chunk_chars,
+            max_chars=self.chunk_limit_chars(state.chunks_done),
         )
 
     def has_work(self, utt: Utterance, now_s: float) -> bool:

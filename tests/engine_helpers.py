@@ -39,6 +39,10 @@ class RecordingSink:
     def has_room(self) -> bool:
         return self.room_samples is None or self.queued() < self.room_samples
 
+    @property
+    def queued_ms(self) -> float:
+        return 1000.0 * self.queued() / 24000
+
     def queued(self) -> int:
         with self.lock:
             return sum(len(p) for chunks in self.pcm.values() for p in chunks)

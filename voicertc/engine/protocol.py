@@ -108,6 +108,11 @@ class AudioSink(Protocol):
         """Bumped by every clear() (interrupt); the engine tags its writes with the value at open."""
         ...
 
+    @property
+    def queued_ms(self) -> float:
+        """Audio queued and not yet played out (the scheduler serves the emptiest sinks first)."""
+        ...
+
     def write(self, pcm: np.ndarray, sample_rate_hz: int, utterance_id: str, generation: int) -> bool:
         """Queue float32 mono PCM in [-1, 1] at any rate. False (and dropped) if `generation` is stale."""
         ...

@@ -238,8 +238,12 @@ def test_factory_builds_the_cosyvoice2_engine_from_config(model, tmp_path):
         )
     )
     engine = create_engine(config)
-    assert isinstance(engine.backend, CosyVoice2Backend)
-    assert engine.voices() == [SFT_VOICE]
-    assert engine.backend.model.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
-    with pytest.raises(UnknownVoiceError):
-        engine.resolve_voice("nobody")
+    engine.start()  # the backend (model load) is built on the worker thread
+    try:
+        assert isinstance(engine.backend, CosyVoice2Backend)
+        assert engine.voices() == [SFT_VOICE]
+        assert engine.backend.model.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+        with pytest.raises(UnknownVoiceError):
+            engine.resolve_voice("nobody")
+    finally:
+        engine.stop()

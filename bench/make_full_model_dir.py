@@ -48,10 +48,15 @@ def write_blanken(out: Path) -> None:
     info = json.loads((GOLDEN / "cv2_manifest_info.json").read_text())
     (blanken / "config.json").write_text(json.dumps(info["qwen2_config"], indent=1))
     if not (blanken / "vocab.json").is_file():
-        sys.path.insert(0, str(REPO / "tests"))
-        from test_cv2_text import write_tiny_qwen_tokenizer
+        write_tiny_tokenizer(blanken)
 
-        write_tiny_qwen_tokenizer(blanken)
+
+def write_tiny_tokenizer(blanken: Path) -> None:
+    """The tests' tiny byte-level BPE in the CosyVoice-BlankEN layout (vocab.json, merges.txt, ...)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_cv2_text import write_tiny_qwen_tokenizer
+
+    write_tiny_qwen_tokenizer(blanken)
 
 
 def write_weights(out: Path) -> None:

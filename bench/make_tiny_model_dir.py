@@ -1,0 +1,145 @@
+"""A tiny CosyVoice2 directory the engine speaks from (noise-like audio): try the engine without weights.
+
+    .venv/bin/python -m bench.make_tiny_model_dir OUT
+    make serve ARGS="--engine cosyvoice2 --model-dir OUT"
+
+Everything is written as real files into OUT (~60 MB, a few seconds):
+- `cosyvoice2.yaml`, `CosyVoice-BlankEN/config.json` of golden `model_dir/` and the golden tiny
+  checkpoints `llm.pt`, `flow.pt`, `hift.pt`, `CosyVoice-BlankEN/model.safetensors` (golden
+  `make_model_dir.py`, README §B0);
+- the tests' tiny byte-level BPE in the `CosyVoice-BlankEN/` tokenizer layout (the real Qwen vocabulary is
+  not available offline; it gives about one text token per character);
+- tiny random `speech_tokenizer_v2.onnx` / `campplus.onnx` with the official input layout, so zero-shot
+  voice registration runs end to end;
+- `spk2info.pt` with one sft voice, `sft-a` (the negated golden speaker embedding).
+
+One deliberate change to `llm.pt`: the tiny flow embeds only 512 speech ids, but the tiny LLM's decoder
+scores all 6561 (+3 stop ids), so its `llm_decoder.bias` is set to -1e4 for ids 512..6560 and for the
+stop ids 6562/6563 (which the official sampler never bans, so random weights would otherwise end or
+stall an utterance at once). With `eos_at_min_len` (the default) the eos row (6561) gets +1e4: eos is
+banned below the minimum length (2 speech tokens per text token) and sampled the moment it is allowed,
+so every piece of text lasts exactly 2 tokens = 80 ms per text token — about the pace of speech with
+one token per character — instead of running to the 20x maximum. Tests that want lengths set by their
+own token cap pass `eos_at_min_len=False` (eos left as the random weights score it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from bench.make_full_model_dir import GOLDEN, write_tiny_tokenizer
+
+FLOW_VOCAB = 512  # speech ids the tiny flow embeds
+SPEECH_TOKEN_SIZE = 6561  # ids 0..6560; 6561 eos, 6562/6563 the other stop ids
+EOS_ID = SPEECH_TOKEN_SIZE
+BANNED_BIAS = -1e4
+EOS_BIAS = 1e4
+SFT_VOICE = "sft-a"
+CHECKPOINTS = ("llm.pt", "flow.pt", "hift.pt", "CosyVoice-BlankEN/model.safetensors")
+
+logger = logging.getLogger("bench.make_tiny_model_dir")
+
+
+class TinySpeechTokenizer(torch.nn.Module):
+    """Stands in for speech_tokenizer_v2.onnx: 4x-pooled log-mels -> one of the tiny flow's ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(128, FLOW_VOCAB)
+
+    def forward(self, feats: torch.Tensor, feats_length: torch.Tensor) -> torch.Tensor:
+        # feats: [1, 128, T], feats_length: [1] -> tokens: [1, T // 4]
+        pooled = torch.nn.functional.avg_pool1d(feats, 4, 4).transpose(1, 2)
+        return self.proj(pooled).argmax(-1) + 0 * feats_length.to(torch.int64)
+
+
+class TinyCampPlus(torch.nn.Module):
+    """Stands in for campplus.onnx: fbank frames -> a 192-d speaker embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(80, 192)
+
+    def forward(self, feats: torch.Tensor) -> torch.Tensor:
+        # feats: [1, T, 80] -> embedding: [1, 192]
+        return self.proj(feats).mean(dim=1)
+
+
+def _export(module: torch.nn.Module, args: tuple, path: Path, names: list[str], dynamic: dict) -> None:
+    torch.onnx.export(
+        module.eval(), args, str(path), input_names=names, output_names=["out"], dynamic_axes=dynamic,
+        dynamo=False,
+    )  # fmt: skip
+
+
+def write_onnx_frontends(out: Path) -> None:
+    torch.manual_seed(0)
+    example = (torch.randn(1, 128, 40), torch.tensor([40], dtype=torch.int32))
+    _export(
+        TinySpeechTokenizer(), example, out / "speech_tokenizer_v2.onnx", ["feats", "feats_length"],
+        {"feats": {2: "T"}, "out": {1: "T4"}},
+    )  # fmt: skip
+    _export(TinyCampPlus(), (torch.randn(1, 50, 80),), out / "campplus.onnx", ["input"], {"input": {1: "T"}})
+
+
+def write_checkpoints(out: Path, checkpoints_from: Path | None) -> None:
+    """Copy the golden tiny checkpoints from an existing tiny directory, or rebuild them (~2 s)."""
+    for name in ("cosyvoice2.yaml", "CosyVoice-BlankEN/config.json"):
+        shutil.copyfile(GOLDEN / "model_dir" / name, out / name)
+    if checkpoints_from is not None:
+        for name in CHECKPOINTS:
+            shutil.copyfile(checkpoints_from / name, out / name)
+        return
+    sys.path.insert(0, str(GOLDEN))
+    import make_model_dir
+
+    make_model_dir.make_model_dir(out, GOLDEN)
+
+
+def restrict_llm_vocab(llm_path: Path, eos_at_min_len: bool) -> None:
+    """Bake the vocabulary mask (and the eos policy) of the module docstring into llm.pt."""
+    state = torch.load(llm_path, map_location="cpu", weights_only=True)
+    bias = state["llm_decoder.bias"]  # [6564]
+    bias[FLOW_VOCAB:SPEECH_TOKEN_SIZE] = BANNED_BIAS
+    bias[EOS_ID + 1 :] = BANNED_BIAS
+    if eos_at_min_len:
+        bias[EOS_ID] = EOS_BIAS
+    torch.save(state, llm_path)
+
+
+def write_spk2info(out: Path) -> None:
+    tts = load_file(GOLDEN / "cv2_tts_tiny_flow_tiny_hift.safetensors")
+    torch.save({SFT_VOICE: {"embedding": -tts["in_embedding"][0]}}, out / "spk2info.pt")
+
+
+def make_tiny_model_dir(
+    out: Path, *, eos_at_min_len: bool = True, checkpoints_from: Path | None = None
+) -> Path:
+    """Write the speaking tiny directory (see the module docstring) into `out`; returns `out`."""
+    (out / "CosyVoice-BlankEN").mkdir(parents=True, exist_ok=True)
+    write_checkpoints(out, checkpoints_from)
+    restrict_llm_vocab(out / "llm.pt", eos_at_min_len)
+    write_tiny_tokenizer(out / "CosyVoice-BlankEN")
+    write_onnx_frontends(out)
+    write_spk2info(out)
+    return out
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="directory to write (created; existing files overwritten)")
+    args = parser.parse_args()
+    make_tiny_model_dir(args.out)
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -210,7 +210,7 @@ def test_missing_key_and_wrong_shape_name_key_and_file(golden_dir, tiny_config):
     wrong["conv_post.bias"] = torch.zeros(17)
     with pytest.raises(ModelDirError, match=r"my/hift\.pt.*conv_post\.bias.*\[17\]"):
         load_hift_state_dict(HiFTGenerator(tiny_config), wrong, "my/hift.pt")
-    with pytest.raises(ModelDirError, match=r"my/hift\.pt.*has shape"):
+    with pytest.raises(ModelDirError, match=r"my/hift\.pt.*wrong shape"):
         load_hift_state_dict(HiFTGenerator(HiftConfig.full_size()), state_dict, "my/hift.pt")
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from voicertc.backends.cosyvoice2.checkpoint import check_layout
 from voicertc.backends.cosyvoice2.hift import HiFTGenerator
 from voicertc.errors import ModelDirError
 
@@ -57,24 +58,10 @@ def fold_weight_norm(g: Tensor, v: Tensor) -> Tensor:
     return v * (g / norm)
 
 
-def _check_layout(found: dict[str, Tensor], expected: dict[str, tuple[int, ...]], source_name: str) -> None:
-    missing = [k for k in expected if k not in found]
-    if missing:
-        raise ModelDirError(f"{source_name}: missing HiFT key {missing[0]!r} ({len(missing)} missing)")
-    unexpected = [k for k in found if k not in expected]
-    if unexpected:
-        raise ModelDirError(f"{source_name}: unexpected HiFT key {unexpected[0]!r} ({len(unexpected)} extra)")
-    for key, shape in expected.items():
-        if tuple(found[key].shape) != shape:
-            raise ModelDirError(
-                f"{source_name}: HiFT key {key!r} has shape {list(found[key].shape)}, expected {list(shape)}"
-            )
-
-
 def load_hift_state_dict(module: HiFTGenerator, state_dict: dict[str, Tensor], source_name: str) -> None:
     """Fold and load an official HiFT state dict into `module`; `source_name` names the file in errors."""
     found = _official_names(state_dict)
-    _check_layout(found, official_layout(module), source_name)
+    check_layout(found, official_layout(module), source_name, "HiFT built from cosyvoice2.yaml")
     folded: dict[str, Tensor] = {}
     for key, value in found.items():
         if key.endswith(_G):

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.cache_utils import DynamicCache
 
+from voicertc.backends.cosyvoice2.checkpoint import check_layout
 from voicertc.backends.cosyvoice2.sampling import SamplingMode, SamplingParams, sample_token
 from voicertc.errors import ModelDirError
 
@@ -329,24 +330,9 @@ class Qwen2LM(nn.Module):
 
 
 def check_state_dict(module: nn.Module, state_dict: dict[str, Tensor], source_name: str) -> None:
-    """Raise ModelDirError naming the file and the first missing/unexpected key or wrong shape."""
+    """Raise ModelDirError naming the file and the missing/unexpected keys or wrong shapes."""
     expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected]
-    wrong = [
-        f"{k}: file {tuple(state_dict[k].shape)} != model {expected[k]}"
-        for k in expected
-        if k in state_dict and tuple(state_dict[k].shape) != expected[k]
-    ]
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} missing key(s), e.g. {missing[:3]}")
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected key(s), e.g. {unexpected[:3]}")
-    if wrong:
-        problems.append(f"{len(wrong)} wrong shape(s), e.g. {wrong[:3]}")
-    if problems:
-        raise ModelDirError(f"{source_name}: does not match {type(module).__name__}: " + "; ".join(problems))
+    check_layout(state_dict, expected, source_name, f"{type(module).__name__} built from cosyvoice2.yaml")
 
 
 def _retie(module: Qwen2LM) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
-from aiortc.mediastreams import MediaStreamError
+from aiortc.mediastreams import AudioStreamTrack, MediaStreamError
 
 from voicertc.config import Config, config_from_dict
 
@@ -30,7 +30,8 @@ def fake_config(**sections: dict[str, Any]) -> Config:
 class PeerClient:
     """The browser side of a call, in-process. Owned by the test's event loop."""
 
-    def __init__(self, audio: bool = True, channel: bool = True) -> None:
+    def __init__(self, audio: bool = True, channel: bool = True, mic: bool = False) -> None:
+        """`mic` offers sendrecv audio with a (silent) microphone track instead of recvonly."""
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         self.events: list[dict[str, Any]] = []
         self.event_arrived = asyncio.Event()
@@ -39,7 +40,9 @@ class PeerClient:
         self.channel = self.pc.createDataChannel("events") if channel else None
         if self.channel is not None:
             self.channel.on("message", self._on_message)
-        if audio:
+        if audio and mic:
+            self.pc.addTrack(AudioStreamTrack())
+        elif audio:
             self.pc.addTransceiver("audio", direction="recvonly")
         self.pc.on("track", self._on_track)
 

@@ -9,8 +9,10 @@ import pytest
 from call_helpers import PeerClient, fake_config, rms
 
 from voicertc.engine.factory import create_engine
+from voicertc.errors import InputError, UnknownVoiceError
 from voicertc.webrtc import patch_aioice_loopback
 from voicertc.webrtc.call import Call, CallClosedError
+from voicertc.webrtc.speech import QueueFullError
 
 
 @pytest.fixture(autouse=True)
@@ -21,12 +23,12 @@ def loopback_ice():
 
 
 @contextlib.asynccontextmanager
-async def call_pair(**sections):
+async def call_pair(mic: bool = False, **sections):
     config = fake_config(**sections)
     engine = create_engine(config)
     engine.start()
     call = Call("c1", engine, config)
-    client = PeerClient()
+    client = PeerClient(mic=mic)
     try:
         answer = await call.answer(await client.offer())
         await client.accept(answer)
@@ -61,11 +63,21 @@ async def test_utterances_of_one_call_play_in_order():
         await client.wait_event("speech.done", utterance_id=second.utterance_id)
         kinds = [(e["type"], e["utterance_id"]) for e in client.events if e["type"].startswith("speech.")]
         assert kinds == [
+            ("speech.queued", first.utterance_id),
+            ("speech.queued", second.utterance_id),
             ("speech.started", first.utterance_id),
             ("speech.done", first.utterance_id),
             ("speech.started", second.utterance_id),
             ("speech.done", second.utterance_id),
         ]
+        # the second one's TTFA counts from the end of the first one's playout, not from its request
+        first_ms = (await first.done())["played_ms"]
+        second_ttfa = next(
+            e
+            for e in client.events
+            if e["type"] == "speech.started" and e["utterance_id"] == second.utterance_id
+        )["ttfa_ms"]
+        assert second_ttfa < first_ms / 3
 
 
 async def test_streamed_deltas_speak_one_utterance():
@@ -161,3 +173,78 @@ async def test_a_call_that_never_connects_is_closed():
     finally:
         await client.close()
         await call.close()
+
+
+async def test_an_engine_that_stops_fails_the_playing_and_the_queued_utterances():
+    async with call_pair() as (call, client, engine):
+        playing = call.speak("A long utterance the engine will not finish. " * 20)
+        queued = call.speak("Queued behind it.")
+        await client.wait_event("speech.started", utterance_id=playing.utterance_id)
+        await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+        for handle in (playing, queued):
+            event = await asyncio.wait_for(handle.done(), 5)
+            assert event["type"] == "error" and event["code"] == "engine_stopped"
+        assert call.speech.pending == 0
+
+
+async def test_a_bad_speak_with_interrupt_leaves_the_playing_utterance_alone():
+    async with call_pair() as (call, client, _engine):
+        playing = call.speak("Keep talking through the bad requests. " * 10)
+        await client.wait_event("speech.started", utterance_id=playing.utterance_id)
+        with pytest.raises(InputError):
+            call.speak("   ", interrupt=True)
+        with pytest.raises(UnknownVoiceError):
+            call.speak("Fine text.", voice="nobody", interrupt=True)
+        client.send({"type": "speak", "text": "Hi.", "voice": "nobody", "interrupt": True})
+        assert (await client.wait_event("error"))["code"] == "unknown_voice"
+        assert not playing.finished and call.interrupts == 0
+
+
+async def test_a_call_queues_at_most_max_queued_utterances():
+    async with call_pair(limits={"max_queued_utterances": 2}) as (call, client, _engine):
+        call.speak("One. " * 20)
+        call.speak("Two.")
+        with pytest.raises(QueueFullError):
+            call.speak("Three.")
+        client.send({"type": "speak", "text": "Four."})
+        assert (await client.wait_event("error"))["code"] == "too_many_utterances"
+        call.speak("Five, after the interrupt.", interrupt=True)  # an interrupt makes room
+
+
+async def test_a_text_stream_that_goes_silent_fails_and_frees_the_queue():
+    async def stalls():
+        yield "Some text and then "
+        await asyncio.Event().wait()  # an agent that never finishes its stream
+        yield "never"
+
+    async with call_pair(limits={"text_idle_timeout_s": 0.3}) as (call, _client, _engine):
+        stalled = call.speak(stalls())
+        after = call.speak("Spoken once the stalled one gave up.")
+        event = await asyncio.wait_for(stalled.done(), 5)
+        assert event["type"] == "error" and event["code"] == "text_idle_timeout"
+        assert (await asyncio.wait_for(after.done(), 10))["type"] == "speech.done"
+
+
+async def test_a_sendrecv_offer_is_answered_sendonly_and_its_mic_is_not_buffered():
+    async with call_pair(mic=True) as (call, client, _engine):
+        audio_section = call.pc.localDescription.sdp.split("m=audio", 1)[1].split("m=", 1)[0]
+        assert "a=sendonly" in audio_section
+        handle = call.speak("Heard while the browser's mic is on.")
+        assert (await handle.done())["type"] == "speech.done"
+        await asyncio.sleep(0.3)
+        assert rms(client.audio()) > 0.05
+        for transceiver in call.pc.getTransceivers():
+            track = transceiver.receiver.track
+            assert track is None or track._queue.qsize() == 0  # nothing decoded from the peer
+
+
+async def test_a_slow_event_subscriber_is_dropped_not_buffered():
+    async with call_pair() as (call, _client, _engine):
+        slow = call.subscribe(max_events=2)
+        fast = call.subscribe()
+        for i in range(5):
+            call._emit({"type": "speech.queued", "utterance_id": str(i)})
+        got = [slow.get_nowait() for _ in range(slow.qsize())]
+        assert [e and e["utterance_id"] for e in got] == ["0", "1", None]
+        assert call.overflowed(slow) and not call.overflowed(fast)
+        assert fast.qsize() == 5

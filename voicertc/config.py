@@ -108,11 +108,15 @@ class LimitsConfig:
     max_text_chars: int = 20_000
     max_calls: int = 16
     max_utterances: int = 64
+    max_queued_utterances: int = 32
+    text_idle_timeout_s: float = 30.0
 
     def validate(self) -> None:
         _check(self.max_text_chars >= 1, "limits.max_text_chars", "must be >= 1")
         _check(self.max_calls >= 1, "limits.max_calls", "must be >= 1")
         _check(self.max_utterances >= 1, "limits.max_utterances", "must be >= 1")
+        _check(self.max_queued_utterances >= 1, "limits.max_queued_utterances", "must be >= 1")
+        _check(self.text_idle_timeout_s > 0, "limits.text_idle_timeout_s", "must be > 0")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterable, Callable
 from typing import Any
 
 from aiortc import RTCConfiguration, RTCDataChannel, RTCIceServer, RTCPeerConnection, RTCSessionDescription
-from aiortc.sdp import candidate_from_sdp
+from aiortc.sdp import SessionDescription, candidate_from_sdp
 
 from voicertc.audio import PcmRing, RingSink
 from voicertc.config import Config
@@ -54,9 +54,7 @@ class Call:
         self.ring = PcmRing(high_water_ms=config.engine.max_queued_ms, margin_ms=RING_MARGIN_MS)
         self.sink = RingSink(self.ring)
         self.track = SpeechTrack.from_config(self.ring, config.webrtc, on_playout=self._on_playout)
-        self.speech = SpeechQueue(
-            engine, self.sink, self._emit, max_text_chars=config.limits.max_text_chars, call_id=call_id
-        )
+        self.speech = SpeechQueue(engine, self.sink, self._emit, limits=config.limits, call_id=call_id)
         self.channel: RTCDataChannel | None = None
         self.closed = asyncio.Event()
         self.close_reason = ""
@@ -65,27 +63,45 @@ class Call:
         self.interrupts = 0
         self.utterances = 0
         self._subscribers: list[asyncio.Queue[ClientEvent | None]] = []
+        self._overflowed: set[asyncio.Queue[ClientEvent | None]] = set()
         self._on_close: list[Callable[[Call], None]] = []
         self.on_event: Callable[[ClientEvent], None] | None = None  # metrics hook
         self._watchdog: asyncio.Task[None] | None = None
+        self.remote_ice: set[tuple[str, str]] = set()  # the offer's (ufrag, pwd) pairs
         self.pc.on("connectionstatechange", self._on_connection_state)
         self.pc.on("datachannel", self._on_datachannel)
 
     # --- signaling --------------------------------------------------------------------------------
 
     async def answer(self, offer_sdp: str) -> str:
-        """Apply the browser's offer, attach the speech track, return the SDP answer (candidates gathered)."""
+        """Apply the browser's offer, attach the speech track, return the SDP answer (candidates gathered).
+
+        Audio is answered send-only: the server never listens, and a receiving transceiver would make
+        aiortc decode and queue a sendrecv offer's microphone without bound.
+        """
         if self.config.webrtc.loopback_only:
             offer_sdp = loopback_only_sdp(offer_sdp)
+        self.remote_ice = {
+            (m.ice.usernameFragment, m.ice.password)
+            for m in SessionDescription.parse(offer_sdp).media
+            if m.ice.usernameFragment and m.ice.password
+        }
         await self.pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer"))
         self.pc.addTrack(self.track)  # takes the offer's audio transceiver
+        for transceiver in self.pc.getTransceivers():
+            if transceiver.kind == "audio":
+                ours = transceiver.sender.track is self.track
+                transceiver.direction = "sendonly" if ours else "inactive"
         await self.pc.setLocalDescription(await self.pc.createAnswer())
         self._watchdog = self.loop.create_task(self._watch(), name=f"call-{self.call_id}-watchdog")
         logger.info("call %s answered", self.call_id)
         return self.pc.localDescription.sdp
 
-    async def add_remote_candidates(self, candidate_lines: list[tuple[str | None, str]]) -> None:
-        """Trickled remote candidates: (mid, 'candidate:...' attribute value) pairs."""
+    async def add_remote_candidates(
+        self, candidate_lines: list[tuple[str | None, str]], *, end: bool = False
+    ) -> None:
+        """Trickled remote candidates: (mid, 'candidate:...' attribute value) pairs; `end` passes on
+        the peer's end-of-candidates so ICE stops waiting for more."""
         for mid, line in candidate_lines:
             if self.config.webrtc.loopback_only and not loopback_only_sdp("a=" + line + "\r\n"):
                 continue
@@ -93,18 +109,25 @@ class Call:
             candidate.sdpMid = mid
             candidate.sdpMLineIndex = 0 if mid is None else None
             await self.pc.addIceCandidate(candidate)
+        if end:
+            await self.pc.addIceCandidate(None)
 
     # --- speaking ---------------------------------------------------------------------------------
 
     def speak(
         self, text: str | AsyncIterable[str], *, voice: str | None = None, interrupt: bool = False
     ) -> SpeechHandle:
-        """Queue an utterance (text or async iterator of deltas); `interrupt` first stops what is playing."""
+        """Queue an utterance (text or async iterator of deltas); `interrupt` first stops what is playing.
+
+        The request is validated before the interrupt: a bad one leaves what is playing alone.
+        """
         if self.closed.is_set():
             raise CallClosedError(f"call {self.call_id} is closed")
+        voice = voice or self.default_voice
         if interrupt:
+            self.speech.check(text, voice)
             self.interrupt()
-        handle = self.speech.speak(text, voice or self.default_voice)
+        handle = self.speech.speak(text, voice)
         self.utterances += 1
         return handle
 
@@ -119,9 +142,10 @@ class Call:
 
     # --- events -----------------------------------------------------------------------------------
 
-    def subscribe(self) -> asyncio.Queue[ClientEvent | None]:
-        """A queue that receives every event from now on; `None` marks the end of the call."""
-        queue: asyncio.Queue[ClientEvent | None] = asyncio.Queue()
+    def subscribe(self, max_events: int = 0) -> asyncio.Queue[ClientEvent | None]:
+        """A queue that receives every event from now on; `None` marks its end (the call closed, or,
+        with `max_events` > 0, the reader fell that far behind and was dropped: see `overflowed`)."""
+        queue: asyncio.Queue[ClientEvent | None] = asyncio.Queue(max_events + 1 if max_events else 0)
         if self.closed.is_set():
             queue.put_nowait(None)
         else:
@@ -131,9 +155,18 @@ class Call:
     def unsubscribe(self, queue: asyncio.Queue[ClientEvent | None]) -> None:
         if queue in self._subscribers:
             self._subscribers.remove(queue)
+        self._overflowed.discard(queue)
+
+    def overflowed(self, queue: asyncio.Queue[ClientEvent | None]) -> bool:
+        """True when `queue` was dropped for falling behind (its `None` does not mean the call closed)."""
+        return queue in self._overflowed
 
     def add_close_listener(self, callback: Callable[[Call], None]) -> None:
-        self._on_close.append(callback)
+        """`callback(call)` runs when the call closes; at once when it already has."""
+        if self.closed.is_set():
+            callback(self)
+        else:
+            self._on_close.append(callback)
 
     def _emit(self, event: ClientEvent) -> None:
         if self.on_event is not None:
@@ -144,8 +177,15 @@ class Call:
                 channel.send(json.dumps(event))
             except Exception:  # noqa: BLE001 - a dying channel must not break the others
                 logger.debug("call %s: data channel send failed", self.call_id, exc_info=True)
-        for queue in self._subscribers:
-            queue.put_nowait(event)
+        for queue in list(self._subscribers):
+            if not queue.maxsize or queue.qsize() < queue.maxsize - 1:
+                queue.put_nowait(event)
+                continue
+            # a slow reader: drop it instead of buffering forever (the last slot holds its end mark)
+            logger.warning("call %s: an event subscriber fell behind; dropping it", self.call_id)
+            self._subscribers.remove(queue)
+            self._overflowed.add(queue)
+            queue.put_nowait(None)
 
     def _on_playout(self, event: PlayoutEvent) -> None:
         if event.kind == "started":
@@ -185,15 +225,14 @@ class Call:
                 self._emit(_error("bad_message", "speak needs a string 'text'"))
                 return
             voice = data.get("voice") if isinstance(data.get("voice"), str) else None
-            handle = self.speak(text, voice=voice, interrupt=bool(data.get("interrupt", False)))
-            self._send_direct({"type": "speech.queued", "utterance_id": handle.utterance_id})
+            self.speak(text, voice=voice, interrupt=bool(data.get("interrupt", False)))  # emits speech.queued
         elif kind == "interrupt":
             self.interrupt()
         else:
             self._emit(_error("bad_message", f"unknown message type {kind!r}"))
 
     def _send_direct(self, event: ClientEvent) -> None:
-        """A reply for the data channel only (pong, speech.queued)."""
+        """A reply for the data channel only (pong)."""
         if self.channel is not None and self.channel.readyState == "open":
             self.channel.send(json.dumps(event))
 
@@ -214,10 +253,10 @@ class Call:
             await asyncio.sleep(WATCHDOG_PERIOD_S)
             now = self.loop.time()
             if self.connected_s is None and now - self.created_s > webrtc.connect_timeout_s:
-                self.loop.create_task(self.close("connect timeout"))
+                await self.close("connect timeout")  # close() never cancels its caller
                 return
             if self.last_ping_s is not None and now - self.last_ping_s > webrtc.keepalive_timeout_s:
-                self.loop.create_task(self.close("keepalive timeout"))
+                await self.close("keepalive timeout")
                 return
 
     @property
@@ -258,7 +297,7 @@ class Call:
         if self._watchdog is not None and self._watchdog is not asyncio.current_task():
             self._watchdog.cancel()
         for queue in self._subscribers:
-            queue.put_nowait(None)
+            queue.put_nowait(None)  # every live queue has a free slot (see _emit)
         self._subscribers.clear()
         for callback in self._on_close:
             try:

@@ -11,12 +11,13 @@ import asyncio
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from voicertc.config import LimitsConfig
 from voicertc.engine.protocol import AudioSink, Cancelled, Done, Engine, EngineEvent, Failed, FirstAudio
-from voicertc.errors import InputError, VoiceRTCError
+from voicertc.errors import EngineStoppedError, InputError, VoiceRTCError
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,12 @@ EmitFn = Callable[[ClientEvent], None]
 
 class TextTooLongError(InputError):
     code = "text_too_long"
+
+
+class QueueFullError(VoiceRTCError):
+    """A call already has `limits.max_queued_utterances` unfinished utterances (HTTP 429)."""
+
+    code = "too_many_utterances"
 
 
 @dataclass
@@ -40,6 +47,7 @@ class SpeechHandle:
     voice: str | None
     requested_s: float  # loop time of the speak request
     state: str = "queued"
+    active_s: float | None = None  # loop time it was opened in the engine
     pending_text: list[str] = field(default_factory=list)
     input_ended: bool = False
     text_chars: int = 0
@@ -66,31 +74,50 @@ class SpeechQueue:
     """
 
     def __init__(
-        self, engine: Engine, sink: AudioSink, emit: EmitFn, *, max_text_chars: int, call_id: str
+        self, engine: Engine, sink: AudioSink, emit: EmitFn, *, limits: LimitsConfig, call_id: str
     ) -> None:
         self.engine = engine
         self.sink = sink
         self.emit = emit
-        self.max_text_chars = max_text_chars
+        self.max_text_chars = limits.max_text_chars
+        self.max_queued = limits.max_queued_utterances
+        self.text_idle_timeout_s = limits.text_idle_timeout_s
         self.call_id = call_id
         self._loop = asyncio.get_running_loop()
         self._queue: deque[SpeechHandle] = deque()
         self._active: SpeechHandle | None = None  # open in the engine
         self._by_id: dict[str, SpeechHandle] = {}  # not yet terminal
+        self._playout_idle_s = 0.0  # loop time the last utterance's playout ended
         self.on_first_audio: Callable[[SpeechHandle, float], None] | None = None
 
     # --- requests ---------------------------------------------------------------------------------
 
-    def speak(self, text: str | AsyncIterable[str], voice: str | None = None) -> SpeechHandle:
-        """Queue an utterance of a whole text or of an async stream of text deltas."""
+    def check(self, text: str | AsyncIterable[str], voice: str | None) -> None:
+        """Raise what `speak` would raise for this text and voice (empty, too long, unknown voice,
+        engine stopped) without queueing anything, so a caller can validate before it interrupts."""
         if isinstance(text, str):
             if not text.strip():
                 raise InputError("empty text: nothing to speak")
             if len(text) > self.max_text_chars:
                 raise TextTooLongError(f"text too long: {len(text)} characters (limit {self.max_text_chars})")
+        if not getattr(self.engine, "running", True):
+            raise EngineStoppedError("the engine is not running")
+        resolve_voice = getattr(self.engine, "resolve_voice", None)
+        if resolve_voice is not None:
+            resolve_voice(voice)
+
+    def speak(self, text: str | AsyncIterable[str], voice: str | None = None) -> SpeechHandle:
+        """Queue an utterance of a whole text or of an async stream of text deltas."""
+        self.check(text, voice)
+        if len(self._by_id) >= self.max_queued:
+            raise QueueFullError(
+                f"{len(self._by_id)} utterances are already queued or playing on this call "
+                f"(limits.max_queued_utterances = {self.max_queued})"
+            )
         handle = SpeechHandle(uuid.uuid4().hex[:12], voice, self._loop.time())
         self._by_id[handle.utterance_id] = handle
         self._queue.append(handle)
+        self.emit({"type": "speech.queued", "utterance_id": handle.utterance_id})
         if isinstance(text, str):
             self.push(handle, text)
             self.end_input(handle)
@@ -100,20 +127,27 @@ class SpeechQueue:
         return handle
 
     async def _feed(self, handle: SpeechHandle, deltas: AsyncIterable[str]) -> None:
+        """Pull deltas into the utterance; a stream silent for `text_idle_timeout_s` fails it, so an
+        input that never ends cannot hold the call's queue forever."""
+        stream = aiter(deltas)
         try:
-            async for delta in deltas:
-                if handle.finished:
+            while not handle.finished:
+                try:
+                    async with asyncio.timeout(self.text_idle_timeout_s):
+                        delta = await anext(stream)
+                except StopAsyncIteration:
+                    self.end_input(handle)
                     return
                 self.push(handle, delta)
-        except asyncio.CancelledError:
-            raise
+        except TimeoutError:
+            message = f"no text for {self.text_idle_timeout_s:g} s (limits.text_idle_timeout_s)"
+            self.fail(handle, "text_idle_timeout", message)
         except VoiceRTCError as exc:
             self.fail(handle, exc.code, str(exc))
-            return
         except Exception as exc:  # noqa: BLE001 - a broken text stream fails its utterance only
             self.fail(handle, "bad_input", f"text stream failed: {type(exc).__name__}: {exc}")
-            return
-        self.end_input(handle)
+        finally:
+            await _close_stream(stream)
 
     def push(self, handle: SpeechHandle, delta: str) -> None:
         if handle.finished or handle.input_ended:
@@ -152,6 +186,7 @@ class SpeechQueue:
                 continue
             self._active = handle
             handle.state = "synthesizing"
+            handle.active_s = self._loop.time()
             for delta in handle.pending_text:
                 self.engine.push_text(handle.utterance_id, delta)
             handle.pending_text.clear()
@@ -189,7 +224,9 @@ class SpeechQueue:
         elif isinstance(event, Failed):
             self.fail(handle, event.code, event.message)
         elif isinstance(event, Cancelled):
-            self._release_active(handle)
+            # Every cancel this queue asks for finishes the handle first, so an unfinished one here
+            # was cancelled by the engine itself: it is stopping. The next opens fail the same way.
+            self.fail(handle, "engine_stopped", "the engine stopped before this utterance finished")
 
     # --- terminal events --------------------------------------------------------------------------
 
@@ -197,22 +234,28 @@ class SpeechQueue:
         return self._by_id.get(utterance_id)
 
     def playout_started(self, utterance_id: str) -> ClientEvent | None:
-        """The track sent the utterance's first frame: `speech.started` with the time since the request."""
+        """The track sent the utterance's first frame: `speech.started` with its time to first audio.
+
+        TTFA counts from when the utterance could first be heard: it was opened in the engine and
+        the utterance before it had finished playing. Waiting behind earlier speech is not latency.
+        """
         handle = self._by_id.get(utterance_id)
         if handle is None or handle.started:
-            return None
+            return None  # already terminal (a failed utterance's partial audio) or reported
         handle.started = True
-        ttfa_ms = 1000.0 * (self._loop.time() - handle.requested_s)
+        since_s = max(handle.active_s or handle.requested_s, self._playout_idle_s)
+        ttfa_ms = 1000.0 * max(0.0, self._loop.time() - since_s)
         event = {"type": "speech.started", "utterance_id": utterance_id, "ttfa_ms": round(ttfa_ms, 1)}
         self.emit(event)
         return event
 
     def playout_done(self, utterance_id: str, played_ms: float) -> None:
+        """The utterance's end mark played. One that never started had no audio (punctuation only):
+        it ends with `speech.done` and no `speech.started`, so it adds no TTFA sample."""
+        self._playout_idle_s = self._loop.time()
         handle = self._by_id.get(utterance_id)
         if handle is None:
             return
-        if not handle.started:
-            self.playout_started(utterance_id)
         self._finish(
             handle, {"type": "speech.done", "utterance_id": utterance_id, "played_ms": round(played_ms, 1)}
         )
@@ -281,3 +324,16 @@ class SpeechQueue:
     @property
     def pending(self) -> int:
         return len(self._by_id)
+
+
+async def _close_stream(stream: AsyncIterator[str]) -> None:
+    """Close an async generator we stopped reading (frees what it holds, e.g. a request body)."""
+    aclose = getattr(stream, "aclose", None)
+    if aclose is None:
+        return
+    try:
+        await aclose()
+    except (RuntimeError, asyncio.CancelledError):
+        pass  # still running elsewhere, or torn down with the loop
+    except Exception:  # noqa: BLE001 - the stream's own cleanup failed: nothing left to do
+        logger.debug("text stream close failed", exc_info=True)

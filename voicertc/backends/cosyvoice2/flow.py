@@ -21,8 +21,9 @@ from torch import Tensor, nn
 
 from voicertc.backends.cosyvoice2.flow_cfm import CausalConditionalCFM, fixed_noise
 from voicertc.backends.cosyvoice2.flow_config import NOISE_FRAMES, YAML_NAME, FlowConfig
-from voicertc.backends.cosyvoice2.flow_encoder import EncoderCache, KVCache, UpsampleConformerEncoder
+from voicertc.backends.cosyvoice2.flow_encoder import EncoderCache, UpsampleConformerEncoder
 from voicertc.backends.cosyvoice2.flow_estimator import EstimatorCache
+from voicertc.backends.cosyvoice2.flow_kv import KVCache
 from voicertc.backends.cosyvoice2.yaml_config import load_yaml
 from voicertc.errors import InputError, ModelDirError
 
@@ -51,28 +52,31 @@ class FlowStreamState:
     def frames(self) -> int:
         return self.estimator[0].frames
 
+    def kv_caches(self) -> list[KVCache]:
+        caches = self.encoder.layers + self.encoder.up_layers
+        return caches + [kv for c in self.estimator for kv in c.attention.values()]
+
     def cache_bytes(self) -> int:
-        """Memory held by the caches (the estimator K/V dominate: they grow with every frame)."""
+        """Bytes of cached context (the estimator K/V dominate: they grow with every frame); the K/V
+        buffers reserve up to about twice their filled part."""
         enc = self.encoder
-        tensors = [enc.lookahead_tail, enc.upsample_tail]
-        tensors += [t for c in enc.layers + enc.up_layers for t in (c.keys, c.values)]
-        for c in self.estimator:
-            tensors += [*c.conv_tails.values(), *c.keys.values(), *c.values.values()]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        tails = [enc.lookahead_tail, enc.upsample_tail] + [
+            t for c in self.estimator for t in c.conv_tails.values()
+        ]
+        tail_bytes = sum(t.numel() * t.element_size() for t in tails if t is not None)
+        return tail_bytes + sum(kv.filled_bytes() for kv in self.kv_caches())
 
     def clone(self) -> FlowStreamState:
-        """An independent copy (e.g. a voice's prompt state reused per utterance). Cheap: cached
-        tensors are never written in place, so only the containers are copied."""
+        """An independent copy (e.g. a voice's prompt state reused per utterance, or a batch member's
+        state saved for a retry). Cheap: K/V buffers are shared copy-on-write (`KVCache.share`), the
+        other cached tensors are never written in place, so no tensor data is copied here."""
         enc = self.encoder
         encoder = replace(
             enc,
-            layers=[KVCache(c.keys, c.values) for c in enc.layers],
-            up_layers=[KVCache(c.keys, c.values) for c in enc.up_layers],
+            layers=[c.share() for c in enc.layers],
+            up_layers=[c.share() for c in enc.up_layers],
         )
-        estimator = [
-            EstimatorCache(c.frames, dict(c.conv_tails), dict(c.keys), dict(c.values)) for c in self.estimator
-        ]
-        return replace(self, encoder=encoder, estimator=estimator)
+        return replace(self, encoder=encoder, estimator=[c.share() for c in self.estimator])
 
 
 @dataclass

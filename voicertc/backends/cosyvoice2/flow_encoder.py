@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from voicertc.backends.cosyvoice2.flow_config import ENCODER_UPSAMPLE_STRIDE, EncoderConfig
+from voicertc.backends.cosyvoice2.flow_kv import KVCache
 
 _CONFORMER_LN_EPS = 1e-12
 _EMBED_LN_EPS = 1e-5
@@ -37,25 +38,6 @@ def chunk_attention_mask(
     query_pos = torch.arange(query_start, key_len, device=device)
     limit = (torch.div(query_pos, chunk, rounding_mode="floor") + 1) * chunk
     return torch.arange(key_len, device=device)[None, :] < limit[:, None]
-
-
-@dataclass
-class KVCache:
-    """Keys and values of every frame already encoded, [B, heads, frames, head_dim] each."""
-
-    keys: Tensor | None = None
-    values: Tensor | None = None
-
-    @property
-    def frames(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def extend(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
-        if self.keys is not None and self.values is not None:
-            keys = torch.cat([self.keys, keys], dim=2)
-            values = torch.cat([self.values, values], dim=2)
-        self.keys, self.values = keys, values
-        return keys, values
 
 
 @dataclass
@@ -137,7 +119,7 @@ class RelPositionAttention(nn.Module):
         # x: [1, Tq, D] new frames at absolute positions cache.frames.. -> [1, Tq, D]
         start, query_len = cache.frames, x.shape[1]
         q = self._split(self.linear_q(x))
-        k, v = cache.extend(self._split(self.linear_k(x)), self._split(self.linear_v(x)))
+        k, v = cache.append(self._split(self.linear_k(x)), self._split(self.linear_v(x)))
         key_len = k.shape[2]
         q_u = q + self.pos_bias_u[None, :, None, :]
         q_v = q + self.pos_bias_v[None, :, None, :]

@@ -21,17 +21,23 @@ from torch import Tensor, nn
 
 from voicertc.backends.cosyvoice2.flow_config import EstimatorConfig
 from voicertc.backends.cosyvoice2.flow_encoder import chunk_attention_mask
+from voicertc.backends.cosyvoice2.flow_kv import KVCache
 
 
 @dataclass
 class EstimatorCache:
-    """Left context of one row group: conv input tails [rows, C, k-1] and attention K/V
-    [rows, heads, frames, head_dim], indexed by the slot numbers assigned at construction."""
+    """Left context of one row group: conv input tails [rows, C, k-1] (replaced, never written in
+    place) and attention K/V caches [rows, heads, frames, head_dim], indexed by the slot numbers
+    assigned at construction."""
 
     frames: int = 0
     conv_tails: dict[int, Tensor] = field(default_factory=dict)
-    keys: dict[int, Tensor] = field(default_factory=dict)
-    values: dict[int, Tensor] = field(default_factory=dict)
+    attention: dict[int, KVCache] = field(default_factory=dict)
+
+    def share(self) -> EstimatorCache:
+        """An independent cache with the same context; copies no tensor data (see `KVCache.share`)."""
+        attention = {slot: kv.share() for slot, kv in self.attention.items()}
+        return EstimatorCache(self.frames, dict(self.conv_tails), attention)
 
 
 class _Batch:
@@ -64,14 +70,11 @@ class _Batch:
 
     def attend(self, slot: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # q, k, v: [B, H, Tq, Dh] for the new frames -> [B, H, Tq, Dh] over cached + new keys
+        # (the new keys are written into the group's buffer; SDPA reads a view of it: no copies)
         outs = []
         for group, cache in enumerate(self.caches):
             rows = slice(group * self.rows, (group + 1) * self.rows)
-            keys, values = k[rows], v[rows]
-            if slot in cache.keys:
-                keys = torch.cat([cache.keys[slot], keys], dim=2)
-                values = torch.cat([cache.values[slot], values], dim=2)
-            cache.keys[slot], cache.values[slot] = keys, values
+            keys, values = cache.attention.setdefault(slot, KVCache()).append(k[rows], v[rows])
             mask = self.mask(group, q.shape[2], q.device)
             outs.append(F.scaled_dot_product_attention(q[rows], keys, values, attn_mask=mask))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

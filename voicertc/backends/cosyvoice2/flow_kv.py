@@ -1,0 +1,121 @@
+"""Growing key/value caches for the flow's chunk-incremental attention (engine thread).
+
+Why: appending a chunk's keys with `torch.cat` copies everything already spoken on every chunk, so a
+long utterance's chunks get slower and slower. Here each cache owns a buffer with spare capacity; a
+chunk writes its frames in place and attention reads the view `[:, :, :length]`.
+
+Growth is de-amortised so that no single chunk pays for the history either: once a buffer is 3/4 full,
+one twice as large is allocated and the old frames move into it `MOVE_RATE` frames per frame appended
+(new frames go to both buffers meanwhile); the switch happens when everything has moved, well before
+the old buffer is full. A chunk therefore writes and moves O(chunk) elements; only an append larger
+than the remaining room (e.g. a first chunk, or a huge hop) copies the history at once.
+
+Sharing (`share()`, what `FlowStreamState.clone()` uses): the clone reads the same buffer and copies
+its frames into a buffer of its own before its first write (copy on write). The owner only ever writes
+at positions >= its length, and a sharer never reads beyond the length it was given, so neither can
+corrupt the other; `share()` itself copies no tensor data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+MIGRATE_AT = 0.75  # start moving into a 2x buffer once this fraction of the capacity is filled
+MOVE_RATE = 4  # frames moved per frame appended while moving (done after 3/16 of the capacity)
+MIN_CAPACITY_FRAMES = 64
+
+
+@dataclass
+class KVCache:
+    """Keys and values of the frames [0, length), each [B, heads, capacity, head_dim].
+
+    Invariants: `keys[:, :, :length]` holds every cached frame; while growing, `next_keys` holds frames
+    [0, moved) and [move_end, length) too. `shared`: the buffer may be read by another cache, so it is
+    never written; the first append copies into a private buffer. `written_elements` counts elements
+    stored (new frames, moved frames, copies) over the cache's life: what a chunk really costs here."""
+
+    keys: Tensor | None = None
+    values: Tensor | None = None
+    length: int = 0
+    shared: bool = False
+    next_keys: Tensor | None = None
+    next_values: Tensor | None = None
+    moved: int = 0
+    move_end: int = 0
+    written_elements: int = 0
+
+    @property
+    def frames(self) -> int:
+        return self.length
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def share(self) -> KVCache:
+        """A cache with the same frames that copies them before its first write (no data copied now)."""
+        return KVCache(
+            self.keys, self.values, self.length, shared=True, written_elements=self.written_elements
+        )
+
+    def filled_bytes(self) -> int:
+        if self.keys is None:
+            return 0
+        per_frame = self.keys[:, :, :1].numel() * self.keys.element_size()
+        return 2 * per_frame * self.length
+
+    def append(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """Store the new frames; returns views of every cached frame (old ++ new), no copy of the old."""
+        # keys, values: [B, H, n, Dh] -> ([B, H, length + n, Dh], [B, H, length + n, Dh])
+        start, end = self.length, self.length + keys.shape[2]
+        if self.keys is None or self.values is None or self.shared or end > self.capacity:
+            self._reallocate(end, keys)
+        assert self.keys is not None and self.values is not None
+        self._store(self.keys, self.values, start, keys, values)
+        if self.next_keys is not None and self.next_values is not None:
+            self._store(self.next_keys, self.next_values, start, keys, values)
+        self.length = end
+        self._grow(end - start)
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    # ----------------------------------------------------------------- internals
+    def _store(self, key_buf: Tensor, value_buf: Tensor, start: int, keys: Tensor, values: Tensor) -> None:
+        end = start + keys.shape[2]
+        key_buf[:, :, start:end] = keys
+        value_buf[:, :, start:end] = values
+        self.written_elements += keys.numel() + values.numel()
+
+    def _reallocate(self, needed: int, like: Tensor) -> None:
+        """A private buffer with room for `needed` frames holding frames [0, length) (one copy)."""
+        if self.next_keys is not None and self.next_keys.shape[2] >= needed and not self.shared:
+            self._move(self.move_end - self.moved)  # finish the move already under way
+            return
+        shape = (like.shape[0], like.shape[1], max(MIN_CAPACITY_FRAMES, 2 * needed), like.shape[3])
+        keys, values = like.new_empty(shape), like.new_empty(shape)
+        if self.keys is not None and self.values is not None and self.length:
+            self._store(keys, values, 0, self.keys[:, :, : self.length], self.values[:, :, : self.length])
+        self.keys, self.values, self.shared = keys, values, False
+        self.next_keys = self.next_values = None
+
+    def _grow(self, appended: int) -> None:
+        assert self.keys is not None and self.values is not None
+        if self.next_keys is None and self.length > MIGRATE_AT * self.capacity:
+            shape = (*self.keys.shape[:2], 2 * self.capacity, self.keys.shape[3])
+            self.next_keys, self.next_values = self.keys.new_empty(shape), self.values.new_empty(shape)
+            self.moved, self.move_end = 0, self.length
+        if self.next_keys is not None:
+            self._move(MOVE_RATE * appended)
+
+    def _move(self, frames: int) -> None:
+        """Move up to `frames` not yet moved frames into the next buffer; switch when all are there."""
+        assert self.keys is not None and self.values is not None
+        assert self.next_keys is not None and self.next_values is not None
+        stop = min(self.move_end, self.moved + frames)
+        old_keys, old_values = self.keys[:, :, self.moved : stop], self.values[:, :, self.moved : stop]
+        self._store(self.next_keys, self.next_values, self.moved, old_keys, old_values)
+        self.moved = stop
+        if stop == self.move_end:
+            self.keys, self.values = self.next_keys, self.next_values
+            self.next_keys = self.next_values = None

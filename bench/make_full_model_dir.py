@@ -6,9 +6,9 @@ Official layout: `cosyvoice2.yaml` is the golden tiny yaml with every shrunk val
 official value (the `# official: ...` marks, golden README §B0); `CosyVoice-BlankEN/config.json` is the
 Qwen2.5-0.5B config of golden `cv2_manifest_info.json`; `llm.pt` / `flow.pt` / `hift.pt` come from the
 full-size manifests with golden `make_weights` (base seeds 1 / 2 / 3, the LLM's lm_head tied to its text
-embedding, README §A). The text tokenizer is the tests' tiny byte-level BPE (the real Qwen vocabulary is
-not available offline), so frontend timings cover normalisation plus a small BPE. Files that already
-exist are kept, so a second run is instant.
+embedding, README §A). The text tokenizer is a tiny byte-level BPE, the tests' recipe (the real Qwen
+vocabulary is not available offline), so frontend timings cover normalisation plus a small BPE. Files
+that already exist are kept, so a second run is instant.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ RECIPES = {
     "hift": ("cv2_hift_manifest.json", {"base_seed": 3}),
 }  # fmt: skip
 
+QWEN_BASE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
 logger = logging.getLogger("bench.make_full_model_dir")
 
 
@@ -52,11 +54,37 @@ def write_blanken(out: Path) -> None:
 
 
 def write_tiny_tokenizer(blanken: Path) -> None:
-    """The tests' tiny byte-level BPE in the CosyVoice-BlankEN layout (vocab.json, merges.txt, ...)."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from test_cv2_text import write_tiny_qwen_tokenizer
+    """A tiny byte-level BPE (320 ids + the Qwen2 base specials) in the CosyVoice-BlankEN file layout.
 
-    write_tiny_qwen_tokenizer(blanken)
+    The same recipe as the tests' `write_tiny_qwen_tokenizer`, here so that the bench tools need no
+    test dependencies; about one token per character outside its few training words.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.trainers import BpeTrainer
+
+    blanken.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = BpeTrainer(vocab_size=320, initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator(["hello world, this is a tiny tokenizer. The quick brown fox."] * 10, trainer)
+    tok.model.save(str(blanken))
+    base = tok.get_vocab_size()
+    added = {
+        str(base + i): {"content": s, "lstrip": False, "normalized": False, "rstrip": False, "special": True}
+        for i, s in enumerate(QWEN_BASE_SPECIALS)
+    }
+    config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "errors": "replace",
+        "bos_token": None,
+        "unk_token": None,
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "added_tokens_decoder": added,
+    }
+    (blanken / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def write_weights(out: Path) -> None:

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from torch.testing import assert_close
 
 from voicertc.backends.cosyvoice2.flow import CausalFlow, FlowStreamState
+from voicertc.backends.cosyvoice2.flow_kv import MOVE_RATE
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -191,3 +192,57 @@ def test_chunk_computes_only_its_own_frames(flow, golden):
     assert seen == [("encoder", 50)] + [("estimator", 100)] * 10
     assert state.frames == 2 * (17 + 83) and state.encoder.tokens == 17 + 83
     assert state.cache_bytes() > before
+
+
+def test_voice_state_cloned_twice_is_not_aliased(flow, golden):
+    """A voice's prompt state is cloned per utterance; clones stream in place without touching the
+    voice or each other (the K/V buffers are shared copy-on-write)."""
+    tokens, prompt_tokens, prompt_feat, embedding = _inputs(golden)
+    long_prompt = torch.cat([prompt_tokens, tokens[:, 157:200]], dim=1)
+    long_feat = torch.cat([prompt_feat, golden["chunkmask_mel"][:, :, -86:].transpose(1, 2)], dim=1)
+    voice = flow.init_stream(long_prompt, long_feat, embedding)
+    voice_kv = [
+        (kv.keys[:, :, : kv.length].clone(), kv.values[:, :, : kv.length].clone()) for kv in voice.kv_caches()
+    ]  # type: ignore[index]
+    first = voice.clone()
+    assert all(a.keys is b.keys for a, b in zip(first.kv_caches(), voice.kv_caches(), strict=True))
+    # 10 pending + 15 new tokens first: small chunks write into the buffers' spare room, where a
+    # clone that wrote without copying first would overwrite its siblings' frames
+    plan = [(0, 18, False), (15, 43, False), (40, 68, False), (65, 125, True)]
+    mels_first = [flow.stream_step(tokens[:, a:b], first, finalize=fin) for a, b, fin in plan]
+    second, other = voice.clone(), voice.clone()
+    mels_second = []
+    for start, end, final in plan:
+        mels_second.append(flow.stream_step(tokens[:, start:end], second, finalize=final))
+        flow.stream_step(torch.flip(tokens[:, start:end], dims=[1]), other, finalize=final)  # interleaved
+    assert_close(torch.cat(mels_second, dim=2), torch.cat(mels_first, dim=2), atol=0.0, rtol=0.0)
+    for kv, (keys, values) in zip(voice.kv_caches(), voice_kv, strict=True):
+        assert kv.length == keys.shape[2]
+        assert torch.equal(kv.keys[:, :, : kv.length], keys) and torch.equal(
+            kv.values[:, :, : kv.length], values
+        )  # type: ignore[index]
+
+
+def test_chunk_cost_does_not_grow_with_history(flow, golden):
+    """Hop fixed at 25 tokens: the K/V elements a chunk stores (its own frames, plus at most
+    MOVE_RATE x as many moved into a grown buffer) do not depend on how many chunks came before;
+    appending with torch.cat stored the whole history each chunk (12x chunk 2's at chunk 12)."""
+    _, prompt_tokens, prompt_feat, embedding = _inputs(golden)
+    gen = torch.Generator().manual_seed(3)
+    pad = -prompt_tokens.shape[1] % GRID
+    tokens = torch.randint(0, flow.cfg.vocab_size, (1, pad + GRID * 14 + LOOKAHEAD), generator=gen)
+    state = flow.init_stream(prompt_tokens, prompt_feat, embedding)
+    written, new, offset = [0], [0], 0  # 1-based chunk index
+    for index in range(14):
+        end = offset + GRID + (pad if index == 0 else 0)
+        before_written = sum(kv.written_elements for kv in state.kv_caches())
+        before_filled = sum(kv.filled_bytes() for kv in state.kv_caches())
+        flow.stream_step(tokens[:, offset : end + LOOKAHEAD], state, finalize=False)
+        written.append(sum(kv.written_elements for kv in state.kv_caches()) - before_written)
+        new.append((sum(kv.filled_bytes() for kv in state.kv_caches()) - before_filled) // 4)
+        offset = end
+    assert len(set(new[2:])) == 1  # every chunk after the first adds the same number of K/V elements
+    for k in range(2, 15):
+        assert new[k] <= written[k] <= (2 + MOVE_RATE) * new[k]
+    assert written[12] <= (2 + MOVE_RATE) * written[2]
+    assert sum(written[2:]) <= 4 * sum(new[2:])  # amortised growth cost

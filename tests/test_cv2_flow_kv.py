@@ -1,0 +1,83 @@
+"""KVCache: in-place appends equal concatenation, growth moves O(chunk) per append, sharing never aliases."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from voicertc.backends.cosyvoice2.flow_kv import MOVE_RATE, KVCache
+
+
+def _frames(gen: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # [B=2, H=3, n, Dh=4], non-contiguous like the heads split of a projection
+    k = torch.randn(2, n, 3, 4, generator=gen).transpose(1, 2)
+    v = torch.randn(2, n, 3, 4, generator=gen).transpose(1, 2)
+    return k, v
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=90), min_size=1, max_size=25), st.integers(0, 2**31))
+def test_appends_equal_concatenation(sizes, seed):
+    gen = torch.Generator().manual_seed(seed)
+    cache, ref_k, ref_v = KVCache(), [], []
+    for n in sizes:
+        k, v = _frames(gen, n)
+        ref_k.append(k)
+        ref_v.append(v)
+        keys, values = cache.append(k, v)
+        assert torch.equal(keys, torch.cat(ref_k, dim=2)) and torch.equal(values, torch.cat(ref_v, dim=2))
+        assert cache.frames == keys.shape[2] <= cache.capacity
+
+
+def test_equal_chunks_write_o_chunk_elements():
+    """After the first append, each append stores at most (2 + MOVE_RATE) x its own elements, however
+    long the history: no append copies what was cached before (the old torch.cat copied it all)."""
+    gen = torch.Generator().manual_seed(0)
+    cache = KVCache()
+    cache.append(*_frames(gen, 100))
+    per_append = []
+    for _ in range(200):
+        before = cache.written_elements
+        k, v = _frames(gen, 50)
+        cache.append(k, v)
+        per_append.append(cache.written_elements - before)
+        assert per_append[-1] <= (2 + MOVE_RATE) * (k.numel() + v.numel())
+    assert cache.frames == 100 + 200 * 50 and cache.capacity < 4 * cache.frames
+    assert sum(per_append) <= 4 * 200 * (2 * 2 * 3 * 4 * 50)  # amortised: < 4x the new elements
+
+
+def test_shared_copy_is_independent_of_owner_and_other_shares():
+    gen = torch.Generator().manual_seed(1)
+    owner = KVCache()
+    owner.append(*_frames(gen, 40))
+    snapshot = owner.keys[:, :, :40].clone()  # type: ignore[index]
+    snapshot_ptr = owner.keys.data_ptr()  # type: ignore[union-attr]
+    first, second = owner.share(), owner.share()
+    assert first.keys is owner.keys  # shared, not copied
+    tail_owner, tail_first, tail_second = _frames(gen, 10), _frames(gen, 10), _frames(gen, 10)
+    keys_owner, _ = owner.append(*tail_owner)  # the owner keeps writing in place, after frame 40
+    assert owner.next_keys is None and keys_owner.data_ptr() == snapshot_ptr
+    keys_first, _ = first.append(*tail_first)  # the sharers copy before writing
+    keys_second, _ = second.append(*tail_second)
+    for keys, tail in [(keys_owner, tail_owner), (keys_first, tail_first), (keys_second, tail_second)]:
+        assert torch.equal(keys[:, :, :40], snapshot) and torch.equal(keys[:, :, 40:], tail[0])
+    assert first.keys is not owner.keys and second.keys is not first.keys
+
+
+def test_share_while_growing_keeps_its_frames():
+    """A share taken while the owner is moving into a larger buffer sees exactly its frames."""
+    gen = torch.Generator().manual_seed(2)
+    owner, appended = KVCache(), []
+    while owner.next_keys is None:
+        appended.append(_frames(gen, 10)[0])
+        owner.append(appended[-1], appended[-1])
+    share = owner.share()
+    expected = torch.cat(appended, dim=2)
+    for _ in range(20):  # the owner finishes moving and switches buffers
+        k = _frames(gen, 10)[0]
+        owner.append(k, k)
+    assert owner.next_keys is None
+    new = _frames(gen, 5)[0]
+    keys, _ = share.append(new, new)
+    assert torch.equal(keys, torch.cat([expected, new], dim=2))

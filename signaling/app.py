@@ -7,6 +7,7 @@ stops it on cleanup after every call is closed.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
@@ -22,6 +23,7 @@ from signaling.routes import REGISTRY, routes
 from voicertc.config import Config
 from voicertc.engine.factory import create_engine
 from voicertc.engine.protocol import Engine
+from voicertc.errors import ConfigError, EngineStoppedError
 from voicertc.webrtc.loopback import patch_aioice_loopback
 
 logger = logging.getLogger(__name__)
@@ -36,6 +38,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def create_app(config: Config, engine: Engine | None = None) -> web.Application:
     """The whole server as an aiohttp app; pass `engine` to share one (it is started but not stopped)."""
+    static_dir = Path(config.server.static_dir) if config.server.static_dir else WEB_DIR
+    if not static_dir.is_dir():
+        raise ConfigError(f"server.static_dir: {str(static_dir)!r} is not a folder")
     app = web.Application(middlewares=[_errors, _auth(config.auth.tokens)], client_max_size=4 * 1024 * 1024)
     owns_engine = engine is None
     engine = engine if engine is not None else create_engine(config)
@@ -48,7 +53,6 @@ def create_app(config: Config, engine: Engine | None = None) -> web.Application:
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
-    static_dir = Path(config.server.static_dir) if config.server.static_dir else WEB_DIR
     app.router.add_get("/", _index(static_dir / "index.html"))
     app.router.add_static("/static/", static_dir)
 
@@ -74,15 +78,37 @@ def create_app(config: Config, engine: Engine | None = None) -> web.Application:
     return app
 
 
+def http_url(host: str, port: int) -> str:
+    """The base URL of a listening address (IPv6 hosts in brackets; a wildcard stays as bound)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def listen_error(config: Config, exc: OSError) -> ConfigError:
+    """A clear start error for a socket that cannot be bound (port in use, bad address)."""
+    where = http_url(config.server.host, config.server.port)
+    if exc.errno == errno.EADDRINUSE:
+        return ConfigError(f"server.port: {where} is already in use (pick another port, or 0 for any)")
+    return ConfigError(f"server.host/server.port: cannot listen on {where}: {exc.strerror or exc}")
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error leaves as JSON `{"error": {"code", "message"}}`."""
+    """Every error leaves as JSON `{"error": {"code", "message"}}` and is counted in /metrics."""
+    response = await _error_json(request, handler)
+    if response.status >= 400:
+        request.app[METRICS].http_error(response.status)
+    return response
+
+
+async def _error_json(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as exc:
         if exc.status >= 500:
             logger.warning("%s %s -> %d %s", request.method, request.path, exc.status, exc.message)
         return error_response(exc.status, exc.code, exc.message, exc.headers)
+    except EngineStoppedError as exc:
+        return error_response(503, exc.code, str(exc))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -139,6 +165,9 @@ async def _openapi(request: web.Request) -> web.Response:
 
 def _index(path: Path) -> Handler:
     async def index(_request: web.Request) -> web.StreamResponse:
-        return web.FileResponse(path)  # a missing page is a 404 from FileResponse
+        # checked here: FileResponse would 404 in plain text, after the error middleware is done
+        if not await asyncio.to_thread(path.is_file):
+            raise ApiError(404, "not_found", f"no web page: {path.name} is missing from server.static_dir")
+        return web.FileResponse(path)
 
     return index

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from aiohttp import web
 
-from signaling.app import create_app
+from signaling.app import create_app, http_url, listen_error
 from voicertc.config import BACKENDS, Config, load_config
-from voicertc.errors import VoiceRTCError
+from voicertc.errors import ConfigError, VoiceRTCError
 
 logger = logging.getLogger("voicertc")
 
@@ -48,12 +48,15 @@ def resolve_config(args: argparse.Namespace) -> Config:
 async def serve(config: Config) -> None:
     """Run until SIGINT/SIGTERM, then close every call and stop the engine."""
     runner = web.AppRunner(create_app(config), handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, config.server.host, config.server.port)
-    await site.start()
+    await runner.setup()  # starts the engine
+    try:
+        await web.TCPSite(runner, config.server.host, config.server.port).start()
+    except OSError as exc:
+        await runner.cleanup()  # stops the engine again
+        raise listen_error(config, exc) from exc
     port = runner.addresses[0][1] if runner.addresses else config.server.port
     print(
-        f"voicertc serving on http://{config.server.host}:{port}/ (engine {config.engine.backend})",
+        f"voicertc serving on {http_url(config.server.host, port)}/ (engine {config.engine.backend})",
         flush=True,
     )
     stop = asyncio.Event()
@@ -90,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=config.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         _run(config)
+    except ConfigError as exc:  # a bad static_dir, a port in use: the message names the key
+        print(f"voicertc: {exc}", file=sys.stderr)
+        return 2
     except VoiceRTCError as exc:
         print(f"voicertc: {exc}", file=sys.stderr)
         return 1

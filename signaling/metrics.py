@@ -47,7 +47,8 @@ class Metrics:
     """Process-wide numbers for /metrics. `active_calls` and the underrun total are read through callbacks."""
 
     calls_total: int = 0
-    errors_total: dict[str, int] = field(default_factory=dict)
+    errors_total: dict[str, int] = field(default_factory=dict)  # error events sent to clients, by code
+    http_errors_total: dict[int, int] = field(default_factory=dict)  # HTTP 4xx/5xx answers, by status
     ttfa: Histogram = field(default_factory=Histogram)
     closed_calls: dict[str, int] = field(default_factory=dict)  # per-call counters of calls already closed
     active_calls: Callable[[], int] = lambda: 0
@@ -63,6 +64,9 @@ class Metrics:
     def error(self, code: str) -> None:
         self.errors_total[code] = self.errors_total.get(code, 0) + 1
 
+    def http_error(self, status: int) -> None:
+        self.http_errors_total[status] = self.http_errors_total.get(status, 0) + 1
+
     def render(self) -> str:
         """The Prometheus text exposition (version 0.0.4)."""
         lines: list[str] = []
@@ -77,13 +81,20 @@ class Metrics:
         for name, help_text in CALL_COUNTERS.items():
             metric(f"voicertc_{name}_total", "counter", help_text, [({}, self.call_total(name))])
         errors = [({"code": code}, n) for code, n in sorted(self.errors_total.items())] or [({}, 0)]
-        metric("voicertc_errors_total", "counter", "Errors reported to clients, by code.", errors)
+        metric("voicertc_errors_total", "counter", "Error events reported to clients, by code.", errors)
+        http = [({"status": str(status)}, n) for status, n in sorted(self.http_errors_total.items())]
+        metric(
+            "voicertc_http_errors_total", "counter", "HTTP 4xx/5xx responses, by status.", http or [({}, 0)]
+        )
         self._render_histogram(lines)
         return "\n".join(lines) + "\n"
 
     def _render_histogram(self, lines: list[str]) -> None:
         name = "voicertc_ttfa_seconds"
-        lines.append(f"# HELP {name} Time from a speak request to its first audio frame sent.")
+        help_text = (
+            "Time to first audio frame, from when the utterance could play (opened, earlier speech over)."
+        )
+        lines.append(f"# HELP {name} {help_text}")
         lines.append(f"# TYPE {name} histogram")
         for bound, count in zip(self.ttfa.buckets_s, self.ttfa.counts, strict=True):
             lines.append(f'{name}_bucket{{le="{bound:g}"}} {count}')

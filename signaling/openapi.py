@@ -23,6 +23,8 @@ UNKNOWN = _error("No such call (hung up, timed out, or never existed).")
 
 def _paths(config: Config) -> dict[str, Any]:
     limit = config.limits.max_text_chars
+    limits = config.limits
+    engine_stopped = _error("The engine is not running (`engine_stopped`).")
     return {
         "/v1/calls": {
             "post": {
@@ -51,9 +53,12 @@ def _paths(config: Config) -> dict[str, Any]:
                         "Malformed SDP (`bad_sdp`), no receivable audio (`no_audio`), bad JSON, "
                         "unknown voice."
                     ),
+                    "409": _error("The connection failed while the offer was answered (`call_closed`)."),
+                    "413": _error("SDP offer larger than 64 KiB (`sdp_too_large`)."),
                     "415": _error("Content-Type is neither application/sdp nor application/json."),
                     "503": _error(
-                        f"{config.limits.max_calls} calls are open (limits.max_calls); see `Retry-After`."
+                        f"{config.limits.max_calls} calls are open (limits.max_calls; see `Retry-After`), "
+                        "or the engine is not running (`engine_stopped`)."
                     ),
                 },
             }
@@ -67,7 +72,8 @@ def _paths(config: Config) -> dict[str, Any]:
             "patch": {
                 "summary": "Trickle ICE: remote candidates as an SDP fragment (RFC 8840).",
                 "description": "Supported: `a=candidate` lines (with `a=mid`) and `a=end-of-candidates`. "
-                "ICE restart (`If-Match: *`) is not supported and answers 422.",
+                "ICE restart (`If-Match: *`, or ICE credentials other than the offer's) is not supported "
+                "and answers 422.",
                 "requestBody": {
                     "content": {"application/trickle-ice-sdpfrag": {"schema": {"type": "string"}}}
                 },
@@ -75,6 +81,7 @@ def _paths(config: Config) -> dict[str, Any]:
                     "204": {"description": "Candidates added."},
                     "400": _error("A line that is not SDP or a candidate that does not parse."),
                     "404": UNKNOWN,
+                    "413": _error("Fragment larger than 64 KiB (`sdp_too_large`)."),
                     "415": _error("Content-Type is not application/trickle-ice-sdpfrag."),
                     "422": _error("ICE restart requested (not supported)."),
                 },
@@ -90,8 +97,10 @@ def _paths(config: Config) -> dict[str, Any]:
                 "summary": "Speak text into the call; utterances of one call play in order.",
                 "description": 'JSON: a whole text. NDJSON (`application/x-ndjson`): one `{"text": delta}` '
                 "per line, synthesized as the lines arrive (an LLM stream); `voice` and `interrupt` then go "
-                "in the query string; the response comes when the body ends. A malformed line fails that "
-                "utterance (an `error` event, 400 here); the call stays up.",
+                "in the query string; the response comes when the body ends, but the utterance id goes out "
+                "at once as `speech.queued` (data channel and SSE). A malformed line fails that utterance "
+                "(an `error` event, 400 here); the call stays up. A stream that sends no text for "
+                f"{limits.text_idle_timeout_s:g} s (limits.text_idle_timeout_s) fails with 408.",
                 "requestBody": {
                     "content": {
                         JSON: {"schema": {"$ref": "#/components/schemas/Speak"}},
@@ -108,8 +117,17 @@ def _paths(config: Config) -> dict[str, Any]:
                     ),
                     "400": _error("Empty text, bad JSON, malformed NDJSON line, unknown voice."),
                     "404": UNKNOWN,
-                    "413": _error(f"Text longer than {limit} characters (limits.max_text_chars)."),
+                    "408": _error("The NDJSON stream went silent (`text_idle_timeout`)."),
+                    "413": _error(
+                        f"Text longer than {limit} characters (limits.max_text_chars), or an NDJSON body "
+                        "with far more bytes or lines than that (`ndjson_too_large`)."
+                    ),
                     "415": _error("Content-Type is neither application/json nor application/x-ndjson."),
+                    "429": _error(
+                        f"{limits.max_queued_utterances} utterances are queued or playing on this call "
+                        "(limits.max_queued_utterances, `too_many_utterances`); see `Retry-After`."
+                    ),
+                    "503": engine_stopped,
                 },
             },
         },
@@ -194,9 +212,11 @@ def _schemas() -> dict[str, Any]:
             "description": "Data channel `events` and SSE. Client -> server: {type: speak, text, voice?, "
             "interrupt?}, {type: interrupt}, {type: ping} (keep-alive; answered with pong). "
             "Server -> client: "
-            "speech.queued {utterance_id}, speech.started {utterance_id, ttfa_ms}, speech.done "
+            "speech.queued {utterance_id} (every utterance, however it was requested), speech.started "
+            "{utterance_id, ttfa_ms} (not sent for an utterance without audio), speech.done "
             "{utterance_id, played_ms}, speech.interrupted {utterance_id, played_ms}, error {code, message, "
-            "utterance_id?}; SSE ends with call.closed {reason}.",
+            "utterance_id?}; SSE ends with call.closed {reason}, or error {code: events_overflow} when the "
+            "client fell too far behind.",
             "type": "object",
             "required": ["type"],
             "properties": {"type": string},

@@ -1,6 +1,7 @@
 """The live calls of one server: creation under `limits.max_calls`, lookup, metrics, shutdown.
 
-Owned by the event loop. Embedding code waits on `next_call()` for calls as they are answered.
+Owned by the event loop. Embedding code waits on `next_call()` for calls as they are answered; only
+then (`queue_new_calls`) are answered calls kept for it, so a plain server holds nothing per closed call.
 """
 
 from __future__ import annotations
@@ -8,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections import deque
 
 from signaling.errors import ApiError
 from signaling.metrics import Metrics
 from voicertc.config import Config
 from voicertc.engine.protocol import Engine
+from voicertc.errors import EngineStoppedError
 from voicertc.webrtc.call import Call
 from voicertc.webrtc.speech import ClientEvent
 
@@ -30,12 +33,16 @@ class CallRegistry:
         self.metrics = metrics
         self.calls: dict[str, Call] = {}
         self._reserved = 0  # offers being answered right now count against max_calls
-        self._new_calls: asyncio.Queue[Call] = asyncio.Queue()
+        self.queue_new_calls = False  # set by an embedder (VoiceServer) that takes calls with next_call()
+        self._new_calls: deque[Call] = deque()  # answered, open, not yet taken by next_call()
+        self._new_call_arrived = asyncio.Event()
         metrics.active_calls = lambda: len(self.calls)
         metrics.live_calls = self._live_counters
 
     async def create(self, offer_sdp: str, voice: str | None = None) -> tuple[Call, str]:
         """Answer an offer as a new call: (call, answer SDP). 503 when `limits.max_calls` are open."""
+        if not getattr(self.engine, "running", True):
+            raise EngineStoppedError("the engine is not running; no calls can be answered")
         if len(self.calls) + self._reserved >= self.config.limits.max_calls:
             raise ApiError(
                 503,
@@ -57,11 +64,15 @@ class CallRegistry:
                 ) from exc
         finally:
             self._reserved -= 1
+        if call.closed.is_set():  # its connection failed while the answer was being made
+            raise ApiError(409, "call_closed", f"the call closed while it was answered ({call.close_reason})")
         self.calls[call.call_id] = call
         call.on_event = self._count_event
         call.add_close_listener(self._forget)
         self.metrics.calls_total += 1
-        self._new_calls.put_nowait(call)
+        if self.queue_new_calls:
+            self._new_calls.append(call)
+            self._new_call_arrived.set()
         return call, answer
 
     def check_voice(self, voice: str) -> None:
@@ -76,11 +87,12 @@ class CallRegistry:
         return call
 
     async def next_call(self) -> Call:
-        """The next call answered from now on (calls already answered and not yet taken come first)."""
-        while True:
-            call = await self._new_calls.get()
-            if not call.closed.is_set():
-                return call
+        """The next open call not taken yet (answered since `queue_new_calls` was set), oldest first."""
+        self.queue_new_calls = True
+        while not self._new_calls:
+            self._new_call_arrived.clear()
+            await self._new_call_arrived.wait()
+        return self._new_calls.popleft()
 
     def _count_event(self, event: ClientEvent) -> None:
         kind = event["type"]
@@ -99,6 +111,8 @@ class CallRegistry:
     def _forget(self, call: Call) -> None:
         if self.calls.pop(call.call_id, None) is not None:
             self.metrics.add_closed(call.counters())
+        if call in self._new_calls:
+            self._new_calls.remove(call)
         logger.info("call %s freed (%s); %d open", call.call_id, call.close_reason, len(self.calls))
 
     async def close_all(self, reason: str = "server shutdown") -> None:

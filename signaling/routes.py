@@ -16,15 +16,21 @@ from aiohttp import web
 
 from signaling.errors import ApiError
 from signaling.registry import CallRegistry
-from signaling.sdp import check_offer, parse_sdpfrag
-from voicertc.errors import InputError, VoiceRTCError
+from signaling.sdp import check_not_restart, check_offer, parse_sdpfrag
+from voicertc.errors import EngineStoppedError, InputError, VoiceRTCError
 from voicertc.webrtc.call import Call
-from voicertc.webrtc.speech import SpeechHandle
+from voicertc.webrtc.speech import QueueFullError, SpeechHandle
 
 logger = logging.getLogger(__name__)
 
 REGISTRY = web.AppKey("registry", CallRegistry)
 SSE_KEEPALIVE_S = 15.0
+SSE_MAX_BEHIND = 256  # events an SSE client may lag before it is dropped (it reconnects)
+NDJSON_BYTES_PER_CHAR = 16  # generous: JSON escapes (\uXXXX pairs) plus framing, per text character
+NDJSON_SLACK_BYTES = 64 * 1024
+NDJSON_SLACK_LINES = 1000  # lines allowed beyond one per text character
+TOO_LARGE_WHY = "the caps scale with limits.max_text_chars"
+DISCARD_IDLE_S = 1.0  # after a stream's utterance ended: stop reading a client this quiet
 NDJSON = "application/x-ndjson"
 SDPFRAG = "application/trickle-ice-sdpfrag"
 
@@ -92,8 +98,9 @@ async def trickle(request: web.Request) -> web.Response:
         raise _unsupported(request, SDPFRAG)
     if request.headers.get("If-Match") == "*":
         raise ApiError(422, "ice_restart_unsupported", "ICE restart is not supported: start a new call")
-    candidates, _end = parse_sdpfrag(await request.text())
-    await call.add_remote_candidates(candidates)
+    frag = parse_sdpfrag(await request.text())
+    check_not_restart(frag, call.remote_ice)
+    await call.add_remote_candidates(frag.candidates, end=frag.end)
     return web.Response(status=204)
 
 
@@ -131,6 +138,10 @@ async def speak(request: web.Request) -> web.Response:
 def _speak(call: Call, text: str | AsyncIterator[str], voice: str | None, interrupt: bool) -> SpeechHandle:
     try:
         return call.speak(text, voice=voice, interrupt=interrupt)
+    except QueueFullError as exc:
+        raise ApiError(429, exc.code, str(exc), {"Retry-After": "1"}) from exc
+    except EngineStoppedError as exc:
+        raise ApiError(503, exc.code, str(exc)) from exc
     except VoiceRTCError as exc:
         raise ApiError(400, exc.code, str(exc)) from exc
 
@@ -143,11 +154,33 @@ class _NdjsonError(InputError):
         self.code = code
 
 
+async def _ndjson_lines(request: web.Request, max_bytes: int, max_lines: int) -> AsyncIterator[bytes]:
+    """The body's lines as they arrive, blank ones included, never holding more than `max_bytes`:
+    the byte and line caps bound a stream whose lines carry no text (blank, `{"text": ""}`)."""
+    pending = b""
+    body_bytes = 0
+    line_no = 0
+    while chunk := await request.content.readany():
+        body_bytes += len(chunk)
+        if body_bytes > max_bytes:
+            raise _NdjsonError("ndjson_too_large", f"stream passed {max_bytes} bytes ({TOO_LARGE_WHY})")
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            line_no += 1
+            if line_no > max_lines:
+                raise _NdjsonError("ndjson_too_large", f"stream passed {max_lines} lines ({TOO_LARGE_WHY})")
+            yield line
+    if pending.strip():
+        yield pending
+
+
 async def _ndjson_deltas(request: web.Request, limit: int) -> AsyncIterator[str]:
     """Text deltas from `{"text": ...}` lines, yielded as they arrive."""
     total = 0
+    max_bytes = NDJSON_BYTES_PER_CHAR * limit + NDJSON_SLACK_BYTES
+    lines = _ndjson_lines(request, max_bytes, limit + NDJSON_SLACK_LINES)
     line_no = 0
-    async for raw in request.content:
+    async for raw in lines:
         line_no += 1
         if not raw.strip():
             continue
@@ -163,22 +196,43 @@ async def _ndjson_deltas(request: web.Request, limit: int) -> AsyncIterator[str]
         yield item["text"]
 
 
+STREAM_ERRORS = {"bad_ndjson": 400, "text_too_long": 413, "ndjson_too_large": 413, "text_idle_timeout": 408}
+
+
 async def _speak_stream(request: web.Request, call: Call) -> web.Response:
-    """Stream NDJSON deltas into one utterance; answer when the body ends (202) or breaks (400/413)."""
+    """Stream NDJSON deltas into one utterance; answer when the body ends (202) or breaks (4xx).
+
+    The utterance id is known at once: it goes out as `speech.queued` on the data channel and SSE.
+    """
     voice = request.query.get("voice") or None
     interrupt = request.query.get("interrupt", "false").lower() in ("1", "true", "yes")
     if voice:
         _registry(request).check_voice(voice)
-    handle = _speak(call, _ndjson_deltas(request, call.config.limits.max_text_chars), voice, interrupt)
+    limits = call.config.limits
+    handle = _speak(call, _ndjson_deltas(request, limits.max_text_chars), voice, interrupt)
     assert handle.feeder is not None
     await asyncio.wait([handle.feeder])
-    if not request.content.at_eof():
-        await request.read()  # drain what an interrupted or failed stream still sends
+    await _discard_rest(request, call)
     event = handle.terminal.result() if handle.finished else None
-    if event is not None and event["type"] == "error" and event["code"] in ("bad_ndjson", "text_too_long"):
-        status = 413 if event["code"] == "text_too_long" else 400
+    if event is not None and event["type"] == "error" and event["code"] in STREAM_ERRORS:
+        status = STREAM_ERRORS[event["code"]]
         raise ApiError(status, event["code"], f"utterance {handle.utterance_id}: {event['message']}")
     return web.json_response({"utterance_id": handle.utterance_id}, status=202)
+
+
+async def _discard_rest(request: web.Request, call: Call) -> None:
+    """Read and drop what an interrupted or failed stream still sends (so the connection stays
+    usable), but never past the call's end, a client silent for DISCARD_IDLE_S, or NDJSON_SLACK_BYTES."""
+    dropped = 0
+    while not call.closed.is_set() and not request.content.at_eof() and dropped < NDJSON_SLACK_BYTES:
+        try:
+            async with asyncio.timeout(DISCARD_IDLE_S):
+                chunk = await request.content.readany()
+        except TimeoutError:
+            return
+        if not chunk:
+            return
+        dropped += len(chunk)
 
 
 @routes.post("/v1/calls/{call_id}/interrupt")
@@ -191,25 +245,29 @@ async def interrupt(request: web.Request) -> web.Response:
 async def events(request: web.Request) -> web.StreamResponse:
     """Server-sent events: the data channel's server -> client events, then `call.closed`."""
     call = _call(request)
-    queue = call.subscribe()
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
+    queue = call.subscribe(max_events=SSE_MAX_BEHIND)
     try:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
         while True:
             try:
                 event = await asyncio.wait_for(queue.get(), SSE_KEEPALIVE_S)
             except TimeoutError:
                 await response.write(b": keepalive\n\n")
                 continue
-            if event is None:
-                closed = {"type": "call.closed", "reason": call.close_reason}
-                await response.write(_sse(closed))
-                break
-            await response.write(_sse(event))
-    except (ConnectionResetError, asyncio.CancelledError):
+            if event is not None:
+                await response.write(_sse(event))
+                continue
+            if call.overflowed(queue):
+                message = f"this stream fell {SSE_MAX_BEHIND} events behind and was dropped; reconnect"
+                await response.write(_sse({"type": "error", "code": "events_overflow", "message": message}))
+            else:
+                await response.write(_sse({"type": "call.closed", "reason": call.close_reason}))
+            break
+    finally:
         call.unsubscribe(queue)
-        raise
-    call.unsubscribe(queue)
     await response.write_eof()
     return response
 

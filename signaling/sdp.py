@@ -2,15 +2,36 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from aiortc.sdp import SessionDescription, candidate_from_sdp
 
 from signaling.errors import ApiError
 
-MAX_SDP_BYTES = 64 * 1024
+MAX_SDP_BYTES = 64 * 1024  # a browser offer is a few KB; this bounds what the parsers ever see
+
+
+@dataclass
+class SdpFrag:
+    """What a trickle-ice-sdpfrag carries: candidates as (mid, 'candidate:...'), end-of-candidates,
+    and the ICE credentials it names (new ones mean an ICE restart)."""
+
+    candidates: list[tuple[str | None, str]] = field(default_factory=list)
+    end: bool = False
+    ice_ufrag: str | None = None
+    ice_pwd: str | None = None
+
+
+def check_size(sdp: str, what: str) -> None:
+    """413 naming the limit when an offer or fragment is larger than MAX_SDP_BYTES."""
+    size = len(sdp.encode("utf-8", "surrogatepass"))
+    if size > MAX_SDP_BYTES:
+        raise ApiError(413, "sdp_too_large", f"{what} has {size} bytes; the limit is {MAX_SDP_BYTES}")
 
 
 def check_offer(sdp: str) -> None:
     """Raise ApiError 400 unless `sdp` parses and offers an audio m-line we can send on."""
+    check_size(sdp, "SDP offer")
     if not sdp.strip().startswith("v=0"):
         raise ApiError(400, "bad_sdp", "SDP offer must start with 'v=0'")
     try:
@@ -30,14 +51,26 @@ def check_offer(sdp: str) -> None:
         raise ApiError(400, "bad_sdp", "SDP offer lacks ICE credentials or a DTLS fingerprint")
 
 
-def parse_sdpfrag(body: str) -> tuple[list[tuple[str | None, str]], bool]:
-    """Candidates (mid, candidate attribute value) and end-of-candidates of a trickle-ice-sdpfrag (RFC 8840).
+def check_not_restart(frag: SdpFrag, remote_ice: set[tuple[str, str]]) -> None:
+    """422 when the fragment names ICE credentials other than the offer's: an ICE restart, which
+    voicertc does not support (a client starts a new call instead)."""
+    ufrags = {ufrag for ufrag, _ in remote_ice}
+    pwds = {pwd for _, pwd in remote_ice}
+    if (frag.ice_ufrag is not None and frag.ice_ufrag not in ufrags) or (
+        frag.ice_pwd is not None and frag.ice_pwd not in pwds
+    ):
+        raise ApiError(
+            422,
+            "ice_restart_unsupported",
+            "new ICE credentials (an ICE restart) are not supported: start a new call",
+        )
 
-    A fragment that carries new ICE credentials is an ICE restart, which voicertc does not support (422).
-    """
+
+def parse_sdpfrag(body: str) -> SdpFrag:
+    """Parse a trickle-ice-sdpfrag (RFC 8840): candidates, end-of-candidates, ICE credentials."""
+    check_size(body, "SDP fragment")
     mid: str | None = None
-    candidates: list[tuple[str | None, str]] = []
-    end = False
+    frag = SdpFrag()
     for raw in body.splitlines():
         line = raw.strip()
         if not line:
@@ -52,15 +85,13 @@ def parse_sdpfrag(body: str) -> tuple[list[tuple[str | None, str]], bool]:
                 candidate_from_sdp(value[len("candidate:") :])
             except Exception as exc:  # noqa: BLE001
                 raise ApiError(400, "bad_candidate", f"cannot parse {line!r}: {exc}") from exc
-            candidates.append((mid, value))
+            frag.candidates.append((mid, value))
         elif line == "a=end-of-candidates":
-            end = True
-        elif (
-            line.startswith("a=ice-ufrag:")
-            or line.startswith("a=ice-pwd:")
-            or line.startswith("a=ice-options:")
-        ):
-            continue
+            frag.end = True
+        elif line.startswith("a=ice-ufrag:"):
+            frag.ice_ufrag = line[len("a=ice-ufrag:") :]
+        elif line.startswith("a=ice-pwd:"):
+            frag.ice_pwd = line[len("a=ice-pwd:") :]
         elif line[:2] not in ("a=", "m=", "c="):
             raise ApiError(400, "bad_sdpfrag", f"not an SDP fragment line: {line[:80]!r}")
-    return candidates, end
+    return frag

@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
+import socket
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from call_helpers import PeerClient, fake_config
 
-from signaling.app import create_app
+from signaling.app import ENGINE, create_app, http_url
+from signaling.routes import REGISTRY
 from voicertc.webrtc import patch_aioice_loopback
+from voicertc.webrtc.call import Call
 
 
 @pytest.fixture(autouse=True)
@@ -188,12 +192,20 @@ async def test_max_calls_gives_503_with_retry_after():
 
 async def test_trickle_patch():
     async with api() as client:
-        call_id, _peer = await open_call(client)
+        call_id, peer = await open_call(client)
         url = f"/v1/calls/{call_id}"
         frag = {"Content-Type": "application/trickle-ice-sdpfrag"}
-        body = "a=ice-ufrag:abcd\r\nm=audio 9 UDP/TLS/RTP/SAVPF 0\r\na=mid:0\r\n"
-        body += "a=candidate:1 1 udp 2122260223 127.0.0.1 50000 typ host\r\na=end-of-candidates\r\n"
+        ufrag = re.search(r"a=ice-ufrag:(\S+)", peer.pc.localDescription.sdp).group(1)
+        tail = "m=audio 9 UDP/TLS/RTP/SAVPF 0\r\na=mid:0\r\n"
+        tail += "a=candidate:1 1 udp 2122260223 127.0.0.1 50000 typ host\r\na=end-of-candidates\r\n"
+        body = f"a=ice-ufrag:{ufrag}\r\n" + tail
         assert (await client.patch(url, data=body, headers=frag)).status == 204
+        new_ufrag = f"a=ice-ufrag:{ufrag}x\r\na=ice-pwd:{'p' * 24}\r\n" + tail
+        await expect_error(
+            await client.patch(url, data=new_ufrag, headers=frag), 422, "ice_restart_unsupported"
+        )
+        huge = body + "a=x-padding:" + "z" * 70_000 + "\r\n"
+        await expect_error(await client.patch(url, data=huge, headers=frag), 413, "sdp_too_large")
         await expect_error(
             await client.patch(url, data="a=candidate:1 1 udp", headers=frag), 400, "bad_candidate"
         )
@@ -216,9 +228,10 @@ async def test_events_stream_mirrors_the_data_channel():
         await client.delete(f"/v1/calls/{call_id}")
         text = (await asyncio.wait_for(resp.read(), 5)).decode()
         kinds = [line.split(": ", 1)[1] for line in text.splitlines() if line.startswith("event: ")]
-        assert kinds == ["speech.started", "speech.done", "call.closed"]
+        assert kinds == ["speech.queued", "speech.started", "speech.done", "call.closed"]
         data = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
-        assert data[1] == next(e for e in peer.events if e["type"] == "speech.done")
+        assert data[2] == next(e for e in peer.events if e["type"] == "speech.done")
+        assert data[0] == next(e for e in peer.events if e["type"] == "speech.queued")
 
 
 async def test_auth_tokens():
@@ -290,3 +303,136 @@ def test_cli_flags_override_the_config_file(tmp_path):
     assert resolve_config(args).engine.model_dir == "/m"
     path.write_text("[server]\nport = 70000\n")
     assert main(["serve", "--config", str(path)]) == 2  # names server.port on stderr
+
+
+async def test_a_stopped_engine_answers_503():
+    async with api() as client:
+        call_id, _peer = await open_call(client)
+        engine = client.server.app[ENGINE]
+        await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+        url = f"/v1/calls/{call_id}/speak"
+        await expect_error(await client.post(url, json={"text": "Anyone there?"}), 503, "engine_stopped")
+        peer = PeerClient()
+        client.peers.append(peer)
+        sdp = {"Content-Type": "application/sdp"}
+        resp = await client.post("/v1/calls", data=await peer.offer(), headers=sdp)
+        await expect_error(resp, 503, "engine_stopped")
+
+
+async def test_a_full_call_queue_answers_429():
+    async with api(limits={"max_queued_utterances": 2}) as client:
+        call_id, _peer = await open_call(client)
+        url = f"/v1/calls/{call_id}/speak"
+        for text in ("One. " * 20, "Two."):
+            assert (await client.post(url, json={"text": text})).status == 202
+        resp = await client.post(url, json={"text": "Three."})
+        await expect_error(resp, 429, "too_many_utterances")
+        assert "Retry-After" in resp.headers
+        assert (await client.post(url, json={"text": "Now.", "interrupt": True})).status == 202
+
+
+async def test_ndjson_id_is_known_at_once_and_a_hang_up_ends_the_request():
+    async with api() as client:
+        call_id, peer = await open_call(client)
+
+        async def endless():
+            for _ in range(200):
+                yield b'{"text": "more "}\n'
+                await asyncio.sleep(0.05)
+
+        ndjson = {"Content-Type": "application/x-ndjson"}
+        post = asyncio.ensure_future(
+            client.post(f"/v1/calls/{call_id}/speak", data=endless(), headers=ndjson)
+        )
+        queued = await peer.wait_event("speech.queued")  # before the body ends
+        assert not post.done()
+        await client.delete(f"/v1/calls/{call_id}")
+        resp = await asyncio.wait_for(post, 3)  # the stream still had 9 s to go
+        assert (await resp.json())["utterance_id"] == queued["utterance_id"]
+
+
+async def test_ndjson_blank_lines_count_against_the_limit():
+    async with api(limits={"max_text_chars": 10}) as client:
+        call_id, _peer = await open_call(client)
+        body = b"\n" * 2000 + b'{"text": "hi"}\n'
+        resp = await client.post(
+            f"/v1/calls/{call_id}/speak", data=body, headers={"Content-Type": "application/x-ndjson"}
+        )
+        await expect_error(resp, 413, "ndjson_too_large")
+        no_newline = b'{"text": "' + b"x" * 300_000  # one endless line is bounded too
+        resp = await client.post(
+            f"/v1/calls/{call_id}/speak", data=no_newline, headers={"Content-Type": "application/x-ndjson"}
+        )
+        await expect_error(resp, 413, "ndjson_too_large")
+
+
+async def test_sse_client_that_disconnects_is_unsubscribed():
+    async with api() as client:
+        call_id, _peer = await open_call(client)
+        call = client.server.app[REGISTRY].get(call_id)
+        resp = await client.get(f"/v1/calls/{call_id}/events")
+        assert len(call._subscribers) == 1
+        resp.close()
+        for _ in range(50):
+            await client.post(f"/v1/calls/{call_id}/speak", json={"text": "Tick."})
+            if not call._subscribers:
+                break
+            await asyncio.sleep(0.1)
+        assert call._subscribers == []
+
+
+async def test_big_offers_missing_page_and_http_errors_in_metrics(tmp_path):
+    (tmp_path / "app.js").write_text("// no index.html here")
+    async with api(server={"static_dir": str(tmp_path)}) as client:
+        sdp = {"Content-Type": "application/sdp"}
+        huge = "v=0\r\n" + "a=x:" + "y" * 70_000 + "\r\n"
+        await expect_error(await client.post("/v1/calls", data=huge, headers=sdp), 413, "sdp_too_large")
+        await expect_error(await client.get("/"), 404, "not_found")
+        await expect_error(await client.get("/v1/calls/nope"), 404, "unknown_call")
+        text = await (await client.get("/metrics")).text()
+        assert 'voicertc_http_errors_total{status="404"} 2' in text
+        assert 'voicertc_http_errors_total{status="413"} 1' in text
+
+
+async def test_a_call_that_fails_while_answered_is_not_kept(monkeypatch):
+    answer = Call.answer
+
+    async def answer_then_fail(self, offer_sdp):
+        sdp = await answer(self, offer_sdp)
+        await self.close("connection failed")  # as aiortc's state change would, mid-answer
+        return sdp
+
+    monkeypatch.setattr(Call, "answer", answer_then_fail)
+    async with api() as client:
+        peer = PeerClient()
+        client.peers.append(peer)
+        sdp = {"Content-Type": "application/sdp"}
+        resp = await client.post("/v1/calls", data=await peer.offer(), headers=sdp)
+        await expect_error(resp, 409, "call_closed")
+        assert client.server.app[REGISTRY].calls == {}
+
+
+async def test_a_plain_server_keeps_no_queue_of_answered_calls():
+    async with api() as client:
+        call_id, _peer = await open_call(client)
+        registry = client.server.app[REGISTRY]
+        assert not registry.queue_new_calls and len(registry._new_calls) == 0
+        await client.delete(f"/v1/calls/{call_id}")
+
+
+def test_cli_start_errors_name_the_cause(tmp_path, capsys):
+    from signaling.cli import main
+
+    path = tmp_path / "config.toml"
+    path.write_text(f'[engine]\nbackend = "fake"\n[server]\nstatic_dir = "{tmp_path / "nope"}"\n')
+    assert main(["serve", "--config", str(path)]) == 2
+    assert "server.static_dir" in capsys.readouterr().err
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        path.write_text('[engine]\nbackend = "fake"\n')
+        assert main(["serve", "--config", str(path), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert "server.port" in err and "in use" in err and "Traceback" not in err
+    assert http_url("::", 8080) == "http://[::]:8080" and http_url("0.0.0.0", 1) == "http://0.0.0.0:1"

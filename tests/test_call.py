@@ -8,11 +8,12 @@ import contextlib
 import pytest
 from call_helpers import PeerClient, fake_config, rms
 
+from voicertc.config import LimitsConfig
 from voicertc.engine.factory import create_engine
 from voicertc.errors import InputError, UnknownVoiceError
 from voicertc.webrtc import patch_aioice_loopback
 from voicertc.webrtc.call import Call, CallClosedError
-from voicertc.webrtc.speech import QueueFullError
+from voicertc.webrtc.speech import QueueFullError, SpeechQueue
 
 
 @pytest.fixture(autouse=True)
@@ -248,3 +249,38 @@ async def test_a_slow_event_subscriber_is_dropped_not_buffered():
         assert [e and e["utterance_id"] for e in got] == ["0", "1", None]
         assert call.overflowed(slow) and not call.overflowed(fast)
         assert fast.qsize() == 5
+
+
+class RecordingEngine:
+    """Just enough of the Engine protocol for SpeechQueue: records what it is asked."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def open_utterance(self, voice, sink, on_event, utterance_id=None):
+        self.calls.append(("open", utterance_id))
+        return utterance_id
+
+    def push_text(self, utterance_id, text):
+        self.calls.append(("push", text))
+
+    def end_input(self, utterance_id):
+        self.calls.append(("end", utterance_id))
+
+    def cancel(self, utterance_id):
+        self.calls.append(("cancel", utterance_id))
+
+
+async def test_silent_and_terminal_utterances_emit_no_speech_started():
+    events: list[dict] = []
+    queue = SpeechQueue(RecordingEngine(), None, events.append, limits=LimitsConfig(), call_id="t")
+    silent = queue.speak("...")
+    queue.playout_done(silent.utterance_id, 0.0)  # its end mark played without any audio
+    assert [e["type"] for e in events] == ["speech.queued", "speech.done"]
+    failed = queue.speak("This one fails.")
+    queue.fail(failed, "synthesis_error", "boom")
+    events.clear()
+    queue.playout_started(failed.utterance_id)  # its partial audio still plays out
+    queue.playout_done(failed.utterance_id, 120.0)
+    assert events == []
+    assert (await failed.done())["code"] == "synthesis_error"

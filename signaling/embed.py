@@ -1,7 +1,7 @@
 """Run the voicertc server inside an agent process and talk into its calls from Python.
 
     server = VoiceServer(load_config("config.toml"))
-    await server.start()                      # serves the page, the API and WebRTC
+    await server.start()                      # serves the page, the API and WebRTC (`async with` does too)
     call = await server.next_call()           # a browser (or any WHIP client) called in
     utt = call.say(llm_text_deltas())         # a str, or an async iterable of text deltas
     await utt.done()                          # speech.done / speech.interrupted / error event
@@ -19,7 +19,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 
 from aiohttp import web
 
-from signaling.app import ENGINE, create_app
+from signaling.app import ENGINE, create_app, http_url, listen_error
 from signaling.routes import REGISTRY
 from voicertc.config import Config, load_config
 from voicertc.engine.protocol import Engine
@@ -28,7 +28,8 @@ from voicertc.webrtc.speech import ClientEvent, SpeechHandle
 
 
 class AgentCall:
-    """One call as an agent sees it. Events are buffered from the moment `next_call()` returned it."""
+    """One call as an agent sees it; the server keeps one per call. Its events are buffered from the
+    moment it was first handed out (`next_call()` or `calls()`) until the call closes."""
 
     def __init__(self, call: Call) -> None:
         self._call = call
@@ -61,6 +62,7 @@ class AgentCall:
         while True:
             event = await self._events.get()
             if event is None:
+                self._events.put_nowait(None)  # a later events() ends at once too
                 return
             yield event
 
@@ -77,17 +79,29 @@ class VoiceServer:
     def __init__(self, config: Config | None = None, *, engine: Engine | None = None) -> None:
         self.config = config if config is not None else load_config(None)
         self._app = create_app(self.config, engine)
+        self._registry = self._app[REGISTRY]
+        self._registry.queue_new_calls = True  # next_call() gets calls answered from the start
+        self._agent_calls: dict[str, AgentCall] = {}
         self._runner: web.AppRunner | None = None
         self.url = ""
 
     async def start(self) -> str:
-        """Start the engine and listen on `[server] host/port` (port 0 picks one); returns the base URL."""
-        self._runner = web.AppRunner(self._app, handle_signals=False)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.server.host, self.config.server.port)
-        await site.start()
-        host, port = self._runner.addresses[0][:2]
-        self.url = f"http://{host}:{port}"
+        """Start the engine and listen on `[server] host/port` (port 0 picks one); returns the base URL.
+
+        Idempotent: on a running server (e.g. inside `async with`) it only returns the URL.
+        """
+        if self._runner is not None:
+            return self.url
+        runner = web.AppRunner(self._app, handle_signals=False)
+        await runner.setup()
+        self._runner = runner
+        try:
+            await web.TCPSite(runner, self.config.server.host, self.config.server.port).start()
+        except OSError as exc:
+            await self.stop()
+            raise listen_error(self.config, exc) from exc
+        host, port = runner.addresses[0][:2]
+        self.url = http_url(host, port)
         return self.url
 
     @property
@@ -96,12 +110,18 @@ class VoiceServer:
 
     async def next_call(self, timeout_s: float | None = None) -> AgentCall:
         """Wait for the next call to be answered (calls not taken yet come first)."""
-        registry = self._app[REGISTRY]
-        return AgentCall(await asyncio.wait_for(registry.next_call(), timeout_s))
+        return self._agent_call(await asyncio.wait_for(self._registry.next_call(), timeout_s))
 
     def calls(self) -> list[AgentCall]:
-        """The calls open now (fresh wrappers: their events start from now)."""
-        return [AgentCall(call) for call in self._app[REGISTRY].calls.values()]
+        """The calls open now, each the same AgentCall every time it is handed out."""
+        return [self._agent_call(call) for call in self._registry.calls.values()]
+
+    def _agent_call(self, call: Call) -> AgentCall:
+        agent_call = self._agent_calls.get(call.call_id)
+        if agent_call is None:
+            agent_call = self._agent_calls[call.call_id] = AgentCall(call)
+            call.add_close_listener(lambda closed: self._agent_calls.pop(closed.call_id, None))
+        return agent_call
 
     async def stop(self) -> None:
         """Close every call, stop the engine (when the server made it), stop listening."""

@@ -6,6 +6,7 @@ const $ = (id) => document.getElementById(id);
 const token = new URLSearchParams(location.search).get("token");
 const authHeaders = token ? { Authorization: `Bearer ${token}` } : {};
 const PING_MS = 2000;
+const DISCONNECTED_GRACE_MS = 5000; // a "disconnected" call that does not recover within this is hung up
 const HEARD_RMS = 0.01; // level above which the page counts audio as heard
 
 const state = {
@@ -19,6 +20,7 @@ const state = {
   capture: null, // Float32Array chunks at 16 kHz while capturing
   events: [],
   timers: [],
+  disconnectTimer: null,
 };
 
 function log(line) {
@@ -34,8 +36,36 @@ function setConnection(text) {
 function setButtons(inCall) {
   $("call").disabled = inCall;
   $("hangup").disabled = !inCall;
-  $("speak").disabled = !inCall;
-  $("interrupt").disabled = !inCall;
+  setCanSpeak(false); // enabled when the data channel opens
+}
+
+// Speak and Interrupt travel on the data channel: usable only while it is open and connected.
+function setCanSpeak(on) {
+  $("speak").disabled = !on;
+  $("interrupt").disabled = !on;
+}
+
+function channelOpen() {
+  return !!state.channel && state.channel.readyState === "open";
+}
+
+function onConnectionState(pc) {
+  const s = pc.connectionState;
+  setConnection(s === "disconnected" ? "disconnected (waiting to recover)" : s);
+  clearTimeout(state.disconnectTimer);
+  state.disconnectTimer = null;
+  if (s === "failed" || s === "closed") {
+    log(`connection ${s}`);
+    hangup();
+  } else if (s === "disconnected") {
+    setCanSpeak(false);
+    state.disconnectTimer = setTimeout(() => {
+      log("connection lost");
+      hangup();
+    }, DISCONNECTED_GRACE_MS);
+  } else if (s === "connected") {
+    setCanSpeak(channelOpen());
+  }
 }
 
 function waitForIceGathering(pc, timeoutMs) {
@@ -52,6 +82,15 @@ function waitForIceGathering(pc, timeoutMs) {
 async function call() {
   setButtons(true);
   setConnection("connecting");
+  try {
+    await startCall();
+  } catch (err) {
+    log(`call failed: ${err && err.message ? err.message : err}`);
+    await hangup(); // restores the buttons
+  }
+}
+
+async function startCall() {
   const pc = new RTCPeerConnection({ iceServers: [] });
   state.pc = pc;
   pc.addTransceiver("audio", { direction: "recvonly" });
@@ -60,13 +99,15 @@ async function call() {
   channel.onmessage = (msg) => onEvent(JSON.parse(msg.data));
   channel.onopen = () => {
     log("data channel open");
+    setCanSpeak(pc.connectionState !== "disconnected");
     state.timers.push(setInterval(() => send({ type: "ping", ts: Date.now() }), PING_MS));
   };
-  pc.ontrack = (ev) => attachAudio(ev.streams[0] || new MediaStream([ev.track]));
-  pc.onconnectionstatechange = () => {
-    setConnection(pc.connectionState);
-    if (pc.connectionState === "failed" || pc.connectionState === "closed") hangup();
+  channel.onclose = () => {
+    log("data channel closed");
+    setCanSpeak(false);
   };
+  pc.ontrack = (ev) => attachAudio(ev.streams[0] || new MediaStream([ev.track]));
+  pc.onconnectionstatechange = () => onConnectionState(pc);
   await pc.setLocalDescription(await pc.createOffer());
   await waitForIceGathering(pc, 1000);
   const resp = await fetch("/v1/calls", {
@@ -144,7 +185,12 @@ async function pollStats() {
 }
 
 function send(message) {
-  if (state.channel && state.channel.readyState === "open") state.channel.send(JSON.stringify(message));
+  if (!channelOpen()) {
+    if (message.type !== "ping") log(`not connected: ${message.type} not sent`);
+    return false;
+  }
+  state.channel.send(JSON.stringify(message));
+  return true;
 }
 
 function onEvent(ev) {
@@ -155,8 +201,9 @@ function onEvent(ev) {
 }
 
 function speak(text) {
-  state.speakAt = performance.now();
-  send({ type: "speak", text: text === undefined ? $("text").value : text });
+  if (send({ type: "speak", text: text === undefined ? $("text").value : text })) {
+    state.speakAt = performance.now();
+  }
 }
 
 function interrupt() {
@@ -167,8 +214,11 @@ function interrupt() {
 async function hangup() {
   state.timers.forEach(clearInterval);
   state.timers = [];
+  clearTimeout(state.disconnectTimer);
+  state.disconnectTimer = null;
   const { pc, location: url } = state;
   state.pc = null;
+  state.channel = null;
   state.location = null;
   if (url) await fetch(url, { method: "DELETE", headers: authHeaders }).catch(() => {});
   if (pc) pc.close();
@@ -191,7 +241,7 @@ window.voicertc = {
   speak,
   interrupt,
   connectionState: () => (state.pc ? state.pc.connectionState : "idle"),
-  channelOpen: () => !!state.channel && state.channel.readyState === "open",
+  channelOpen,
   startCapture: () => {
     state.capture = [];
   },

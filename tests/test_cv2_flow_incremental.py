@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
+from voicertc.backends.cosyvoice2 import flow as flow_module
 from voicertc.backends.cosyvoice2.flow import CausalFlow, FlowStreamState
 from voicertc.backends.cosyvoice2.flow_kv import MOVE_RATE
 
@@ -194,7 +195,15 @@ def test_chunk_computes_only_its_own_frames(flow, golden):
     assert state.cache_bytes() > before
 
 
-def test_voice_state_cloned_twice_is_not_aliased(flow, golden):
+@pytest.fixture(params=["reserved", "growing"])
+def kv_reserve(request, monkeypatch) -> str:
+    """Both K/V capacity policies: room reserved up front (CPU default) and grown from small buffers."""
+    if request.param == "growing":
+        monkeypatch.setattr(flow_module, "CPU_KV_RESERVE_TOKENS", 0)
+    return request.param
+
+
+def test_voice_state_cloned_twice_is_not_aliased(flow, golden, kv_reserve):
     """A voice's prompt state is cloned per utterance; clones stream in place without touching the
     voice or each other (the K/V buffers are shared copy-on-write)."""
     tokens, prompt_tokens, prompt_feat, embedding = _inputs(golden)
@@ -223,7 +232,7 @@ def test_voice_state_cloned_twice_is_not_aliased(flow, golden):
         )  # type: ignore[index]
 
 
-def test_chunk_cost_does_not_grow_with_history(flow, golden):
+def test_chunk_cost_does_not_grow_with_history(flow, golden, kv_reserve):
     """Hop fixed at 25 tokens: the K/V elements a chunk stores (its own frames, plus at most
     MOVE_RATE x as many moved into a grown buffer) do not depend on how many chunks came before;
     appending with torch.cat stored the whole history each chunk (12x chunk 2's at chunk 12)."""
@@ -241,6 +250,8 @@ def test_chunk_cost_does_not_grow_with_history(flow, golden):
         written.append(sum(kv.written_elements for kv in state.kv_caches()) - before_written)
         new.append((sum(kv.filled_bytes() for kv in state.kv_caches()) - before_filled) // 4)
         offset = end
+    if kv_reserve == "growing":
+        assert max(written[k] / new[k] for k in range(2, 15)) > 1.5  # some chunks moved frames
     assert len(set(new[2:])) == 1  # every chunk after the first adds the same number of K/V elements
     for k in range(2, 15):
         assert new[k] <= written[k] <= (2 + MOVE_RATE) * new[k]

@@ -81,3 +81,17 @@ def test_share_while_growing_keeps_its_frames():
     new = _frames(gen, 5)[0]
     keys, _ = share.append(new, new)
     assert torch.equal(keys, torch.cat([expected, new], dim=2))
+
+
+def test_reserved_room_is_filled_in_place():
+    gen = torch.Generator().manual_seed(3)
+    cache = KVCache(reserve_frames=500)
+    cache.append(*_frames(gen, 30))
+    buffer = cache.keys
+    assert cache.capacity == 500
+    for _ in range(11):  # up to 360 frames: below the 3/4 mark, nothing moves
+        before = cache.written_elements
+        k, v = _frames(gen, 30)
+        cache.append(k, v)
+        assert cache.keys is buffer and cache.written_elements - before == k.numel() + v.numel()
+    assert cache.share().reserve_frames == 500

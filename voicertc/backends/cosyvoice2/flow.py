@@ -30,6 +30,14 @@ from voicertc.errors import InputError, ModelDirError
 logger = logging.getLogger(__name__)
 
 FLOW_WEIGHTS_NAME = "flow.pt"
+# K/V room reserved up front on CPU: 30 s of speech. Untouched capacity costs only address space there
+# (pages are mapped on first write), while moving a long history into a grown buffer costs real time.
+# On an accelerator the memory is real and a move takes microseconds, so buffers start small and grow.
+CPU_KV_RESERVE_TOKENS = 750
+
+
+def kv_reserve_tokens(device: torch.device) -> int:
+    return CPU_KV_RESERVE_TOKENS if device.type == "cpu" else 0
 
 
 @dataclass
@@ -205,12 +213,16 @@ class CausalFlow(nn.Module):
             )
         weight = self.spk_embed_affine_layer.weight
         spks = self.spk_embed_affine_layer(F.normalize(embedding.to(weight), dim=1))
+        reserve_tokens = kv_reserve_tokens(weight.device)
+        estimator = self.decoder.new_caches()
+        for cache in estimator:
+            cache.reserve_frames = reserve_tokens * self.cfg.token_mel_ratio
         return FlowStreamState(
             spks=spks,
             prompt_feat=prompt_feat.to(weight),
             pending_prompt=prompt_tokens,
-            encoder=self.encoder.new_cache(),
-            estimator=self.decoder.new_caches(),
+            encoder=self.encoder.new_cache(reserve_tokens),
+            estimator=estimator,
         )
 
     def _chunk(self, state: FlowStreamState, tokens: Tensor, finalize: bool, check_grid: bool) -> _Chunk:

@@ -225,9 +225,12 @@ class UpsampleConformerEncoder(nn.Module):
             ConformerLayer(dim, cfg.attention_heads, cfg.linear_units) for _ in range(cfg.up_blocks)
         )
 
-    def new_cache(self) -> EncoderCache:
+    def new_cache(self, reserve_tokens: int = 0) -> EncoderCache:
+        """An empty cache whose K/V buffers start with room for `reserve_tokens` tokens."""
+        up_frames = reserve_tokens * self.up_layer.stride
         return EncoderCache(
-            layers=[KVCache() for _ in self.encoders], up_layers=[KVCache() for _ in self.up_encoders]
+            layers=[KVCache(reserve_frames=reserve_tokens) for _ in self.encoders],
+            up_layers=[KVCache(reserve_frames=up_frames) for _ in self.up_encoders],
         )
 
     def forward(

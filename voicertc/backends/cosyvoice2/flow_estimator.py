@@ -33,11 +33,17 @@ class EstimatorCache:
     frames: int = 0
     conv_tails: dict[int, Tensor] = field(default_factory=dict)
     attention: dict[int, KVCache] = field(default_factory=dict)
+    reserve_frames: int = 0  # first K/V buffer capacity
 
     def share(self) -> EstimatorCache:
         """An independent cache with the same context; copies no tensor data (see `KVCache.share`)."""
         attention = {slot: kv.share() for slot, kv in self.attention.items()}
-        return EstimatorCache(self.frames, dict(self.conv_tails), attention)
+        return EstimatorCache(self.frames, dict(self.conv_tails), attention, self.reserve_frames)
+
+    def kv(self, slot: int) -> KVCache:
+        if slot not in self.attention:
+            self.attention[slot] = KVCache(reserve_frames=self.reserve_frames)
+        return self.attention[slot]
 
 
 class _Batch:
@@ -74,7 +80,7 @@ class _Batch:
         outs = []
         for group, cache in enumerate(self.caches):
             rows = slice(group * self.rows, (group + 1) * self.rows)
-            keys, values = cache.attention.setdefault(slot, KVCache()).append(k[rows], v[rows])
+            keys, values = cache.kv(slot).append(k[rows], v[rows])
             mask = self.mask(group, q.shape[2], q.device)
             outs.append(F.scaled_dot_product_attention(q[rows], keys, values, attn_mask=mask))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

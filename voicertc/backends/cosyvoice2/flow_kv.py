@@ -45,6 +45,7 @@ class KVCache:
     moved: int = 0
     move_end: int = 0
     written_elements: int = 0
+    reserve_frames: int = 0  # capacity of the first buffer (see `FlowStreamState`: CPU reserves)
 
     @property
     def frames(self) -> int:
@@ -57,7 +58,12 @@ class KVCache:
     def share(self) -> KVCache:
         """A cache with the same frames that copies them before its first write (no data copied now)."""
         return KVCache(
-            self.keys, self.values, self.length, shared=True, written_elements=self.written_elements
+            self.keys,
+            self.values,
+            self.length,
+            shared=True,
+            written_elements=self.written_elements,
+            reserve_frames=self.reserve_frames,
         )
 
     def filled_bytes(self) -> int:
@@ -92,7 +98,12 @@ class KVCache:
         if self.next_keys is not None and self.next_keys.shape[2] >= needed and not self.shared:
             self._move(self.move_end - self.moved)  # finish the move already under way
             return
-        shape = (like.shape[0], like.shape[1], max(MIN_CAPACITY_FRAMES, 2 * needed), like.shape[3])
+        shape = (
+            like.shape[0],
+            like.shape[1],
+            max(MIN_CAPACITY_FRAMES, 2 * needed, self.reserve_frames),
+            like.shape[3],
+        )
         keys, values = like.new_empty(shape), like.new_empty(shape)
         if self.keys is not None and self.values is not None and self.length:
             self._store(keys, values, 0, self.keys[:, :, : self.length], self.values[:, :, : self.length])

@@ -15,6 +15,7 @@ CALL_COUNTERS = {
     "frames_sent": "Audio frames sent.",
 }
 TTFA_BUCKETS_S = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0)
+RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 
 
 def _labels(labels: dict[str, str]) -> str:
@@ -50,6 +51,8 @@ class Metrics:
     errors_total: dict[str, int] = field(default_factory=dict)  # error events sent to clients, by code
     http_errors_total: dict[int, int] = field(default_factory=dict)  # HTTP 4xx/5xx answers, by status
     ttfa: Histogram = field(default_factory=Histogram)
+    engine_rtf: Histogram = field(default_factory=lambda: Histogram(RTF_BUCKETS))
+    engine_stage_s: dict[str, float] = field(default_factory=dict)  # seconds per engine stage, summed
     closed_calls: dict[str, int] = field(default_factory=dict)  # per-call counters of calls already closed
     active_calls: Callable[[], int] = lambda: 0
     live_calls: Callable[[], dict[str, int]] = lambda: {}  # the same counters summed over open calls
@@ -60,6 +63,15 @@ class Metrics:
 
     def call_total(self, name: str) -> int:
         return self.closed_calls.get(name, 0) + self.live_calls().get(name, 0)
+
+    def observe_engine(self, utterance_metrics: dict[str, float]) -> None:
+        """One synthesized utterance's engine metrics (the `Done` event): stage times and its RTF."""
+        if "rtf" in utterance_metrics:
+            self.engine_rtf.observe(utterance_metrics["rtf"])
+        for name, value in utterance_metrics.items():
+            if name.endswith("_s") and name != "last_step_s":
+                stage = name.removesuffix("_s")
+                self.engine_stage_s[stage] = self.engine_stage_s.get(stage, 0.0) + value
 
     def error(self, code: str) -> None:
         self.errors_total[code] = self.errors_total.get(code, 0) + 1
@@ -86,18 +98,27 @@ class Metrics:
         metric(
             "voicertc_http_errors_total", "counter", "HTTP 4xx/5xx responses, by status.", http or [({}, 0)]
         )
-        self._render_histogram(lines)
+        stages = [({"stage": k}, v) for k, v in sorted(self.engine_stage_s.items())] or [({}, 0)]
+        metric(
+            "voicertc_engine_stage_seconds_total",
+            "counter",
+            "Engine time per stage (frontend, llm_prefill, flow, vocoder, synth, ttfa, ...), summed.",
+            stages,
+        )
+        self._render_histogram(lines, "voicertc_ttfa_seconds", self.ttfa, TTFA_HELP)
+        self._render_histogram(lines, "voicertc_engine_rtf", self.engine_rtf, RTF_HELP)
         return "\n".join(lines) + "\n"
 
-    def _render_histogram(self, lines: list[str]) -> None:
-        name = "voicertc_ttfa_seconds"
-        help_text = (
-            "Time to first audio frame, from when the utterance could play (opened, earlier speech over)."
-        )
+    @staticmethod
+    def _render_histogram(lines: list[str], name: str, hist: Histogram, help_text: str) -> None:
         lines.append(f"# HELP {name} {help_text}")
         lines.append(f"# TYPE {name} histogram")
-        for bound, count in zip(self.ttfa.buckets_s, self.ttfa.counts, strict=True):
+        for bound, count in zip(hist.buckets_s, hist.counts, strict=True):
             lines.append(f'{name}_bucket{{le="{bound:g}"}} {count}')
-        lines.append(f'{name}_bucket{{le="+Inf"}} {self.ttfa.total}')
-        lines.append(f"{name}_sum {self.ttfa.sum_s:g}")
-        lines.append(f"{name}_count {self.ttfa.total}")
+        lines.append(f'{name}_bucket{{le="+Inf"}} {hist.total}')
+        lines.append(f"{name}_sum {hist.sum_s:g}")
+        lines.append(f"{name}_count {hist.total}")
+
+
+TTFA_HELP = "Time to first audio frame, from when the utterance could play (opened, earlier speech over)."
+RTF_HELP = "Engine real-time factor per utterance (synthesis time / audio time)."

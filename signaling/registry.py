@@ -68,6 +68,7 @@ class CallRegistry:
             raise ApiError(409, "call_closed", f"the call closed while it was answered ({call.close_reason})")
         self.calls[call.call_id] = call
         call.on_event = self._count_event
+        call.speech.on_synthesized = self.metrics.observe_engine
         call.add_close_listener(self._forget)
         self.metrics.calls_total += 1
         if self.queue_new_calls:

@@ -260,6 +260,9 @@ async def test_health_metrics_openapi_page_and_unknown_routes():
         assert "voicertc_utterances_total 1" in text
         assert "voicertc_ttfa_seconds_count 1" in text
         assert "voicertc_underrun_frames_total" in text and "voicertc_errors_total" in text
+        assert "voicertc_engine_rtf_count 1" in text  # the engine's per-utterance metrics
+        assert 'voicertc_engine_stage_seconds_total{stage="synth"}' in text
+        assert 'voicertc_engine_stage_seconds_total{stage="ttfa"}' in text
         spec = await (await client.get("/openapi.json")).json()
         assert spec["openapi"].startswith("3.")
         assert {"post"} <= set(spec["paths"]["/v1/calls"]) and "patch" in spec["paths"]["/v1/calls/{call_id}"]

@@ -89,6 +89,7 @@ class SpeechQueue:
         self._by_id: dict[str, SpeechHandle] = {}  # not yet terminal
         self._playout_idle_s = 0.0  # loop time the last utterance's playout ended
         self.on_first_audio: Callable[[SpeechHandle, float], None] | None = None
+        self.on_synthesized: Callable[[dict[str, float]], None] | None = None  # engine metrics hook
 
     # --- requests ---------------------------------------------------------------------------------
 
@@ -214,6 +215,8 @@ class SpeechQueue:
                 self.on_first_audio(handle, event.ttfa_ms)
         elif isinstance(event, Done):
             handle.state = "synthesized"
+            if self.on_synthesized is not None:
+                self.on_synthesized(event.metrics)
             logger.debug(
                 "call %s utterance %s synthesized (%.0f ms)",
                 self.call_id,

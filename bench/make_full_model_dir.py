@@ -53,12 +53,10 @@ def write_blanken(out: Path) -> None:
         write_tiny_tokenizer(blanken)
 
 
-def write_tiny_tokenizer(blanken: Path) -> None:
-    """A tiny byte-level BPE (320 ids + the Qwen2 base specials) in the CosyVoice-BlankEN file layout.
-
-    The same recipe as the tests' `write_tiny_qwen_tokenizer`, here so that the bench tools need no
-    test dependencies; about one token per character outside its few training words.
-    """
+def write_tiny_tokenizer(blanken: Path) -> int:
+    """A tiny byte-level BPE (320 ids + the Qwen2 base specials) in the CosyVoice-BlankEN file layout;
+    returns the base vocabulary size including those specials. About one token per character outside
+    its few training words. The tests use it too."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.trainers import BpeTrainer
 
@@ -85,6 +83,7 @@ def write_tiny_tokenizer(blanken: Path) -> None:
         "added_tokens_decoder": added,
     }
     (blanken / "tokenizer_config.json").write_text(json.dumps(config))
+    return base + len(QWEN_BASE_SPECIALS)
 
 
 def write_weights(out: Path) -> None:

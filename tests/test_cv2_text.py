@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from tokenizers.trainers import BpeTrainer
 
+from bench.make_full_model_dir import QWEN_BASE_SPECIALS, write_tiny_tokenizer
 from voicertc.backends.cosyvoice2.text import (
     V2_SPECIAL_TOKENS,
     SentenceStream,
@@ -22,36 +20,12 @@ from voicertc.backends.cosyvoice2.text import (
 )
 from voicertc.errors import ModelDirError
 
-BASE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+BASE_SPECIALS = QWEN_BASE_SPECIALS
 
 
 def write_tiny_qwen_tokenizer(out: Path) -> int:
     """A byte-level BPE in the CosyVoice-BlankEN file layout; returns the base size incl. specials."""
-    out.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = BpeTrainer(
-        vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tok.train_from_iterator(["hello world, this is a tiny tokenizer. The quick brown fox."] * 10, trainer)
-    tok.model.save(str(out))
-    n = tok.get_vocab_size()
-    added = {
-        str(n + i): {"content": s, "lstrip": False, "normalized": False, "rstrip": False, "special": True}
-        for i, s in enumerate(BASE_SPECIALS)
-    }
-    config = {
-        "tokenizer_class": "Qwen2Tokenizer",
-        "errors": "replace",
-        "bos_token": None,
-        "unk_token": None,
-        "eos_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>",
-        "added_tokens_decoder": added,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
-    return n + len(BASE_SPECIALS)
+    return write_tiny_tokenizer(out)
 
 
 @pytest.fixture(scope="module")

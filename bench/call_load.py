@@ -82,7 +82,7 @@ async def speak_back_to_back(peer: HttpPeer, offset: int, delay_s: float, stop_s
 def window_events(peer: HttpPeer, first_event: int) -> tuple[list[float], float, int]:
     """(ttfa_ms of started utterances, played seconds of finished ones, errors) since `first_event`.
 
-    A queued utterance's ttfa includes its wait behind the one playing; only the first is a latency.
+    A queued utterance's ttfa counts from when the one before it finished playing.
     """
     events = peer.events[first_event:]
     ttfa = [float(e["ttfa_ms"]) for e in events if e["type"] == "speech.started"]

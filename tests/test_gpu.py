@@ -1,0 +1,62 @@
+"""The same engine on CUDA (marked gpu: skipped on machines without one).
+
+fp32 on the GPU must still reproduce the reference streaming chunks; fp16 must speak sane audio
+through the real worker with its compute/copy streams.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from cv2_engine_helpers import SFT_VOICE, build_speaking_model_dir
+from engine_helpers import EventLog, RecordingSink
+from safetensors.torch import load_file
+from torch.testing import assert_close
+
+from voicertc.backends.cosyvoice2.loader import load
+from voicertc.config import Config, EngineConfig
+from voicertc.engine import ChunkSchedule, Done, FirstAudio
+from voicertc.engine.factory import create_engine
+
+pytestmark = pytest.mark.gpu
+
+
+def test_streaming_chunks_on_cuda_match_the_reference(tiny_model_dir, golden_dir):
+    tts = load_file(golden_dir / "cv2_tts_tiny_flow_tiny_hift.safetensors")
+    chunkmask_mel = load_file(golden_dir / "flow_nonstream.safetensors")["chunkmask_mel"]
+    model = load(tiny_model_dir, device="cuda")
+    voice = model.voice_from_features(tts["in_prompt_token"], tts["in_prompt_feat"], tts["in_embedding"])
+    stream = model.token2wav_stream(voice, ChunkSchedule())
+    chunks = stream.push(tts["in_token"]) + stream.finish()
+    for k, chunk in enumerate(chunks[:3]):
+        expected = tts[f"stream_call{k}_flow_mel_after_offset_cut"]
+        assert_close(chunk.mel.cpu(), expected, atol=1e-3, rtol=1e-3)
+    assert_close(torch.cat([c.mel.cpu() for c in chunks], dim=2), chunkmask_mel, atol=1e-3, rtol=1e-3)
+    assert all(np.isfinite(c.pcm).all() for c in chunks)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_the_engine_speaks_on_cuda(tiny_model_dir, golden_dir, tmp_path, dtype):
+    model_dir = build_speaking_model_dir(tiny_model_dir, golden_dir, tmp_path / "cv2")
+    config = Config(
+        engine=EngineConfig(
+            backend="cosyvoice2",
+            model_dir=str(model_dir),
+            device="cuda",
+            dtype=dtype,
+            voices_dir=str(tmp_path),
+        )
+    )
+    engine = create_engine(config)
+    engine.start()
+    try:
+        log, sink = EventLog(), RecordingSink()
+        uid = engine.say(SFT_VOICE, sink, log, "Hello there, this runs on the GPU.")
+        log.wait_terminal([uid], timeout_s=120)
+    finally:
+        engine.stop()
+    assert [type(e) for e in log.of(uid)] == [FirstAudio, Done]
+    pcm = sink.samples(uid)
+    assert pcm.size > 0 and np.isfinite(pcm).all() and np.abs(pcm).max() <= 1.0
+    assert engine.backend.model.device.type == "cuda"

@@ -65,8 +65,8 @@ class FlowStreamState:
         return caches + [kv for c in self.estimator for kv in c.attention.values()]
 
     def cache_bytes(self) -> int:
-        """Bytes of cached context (the estimator K/V dominate: they grow with every frame); the K/V
-        buffers reserve up to about twice their filled part."""
+        """Bytes of cached context (the estimator K/V dominate: they grow with every frame). The K/V
+        buffers have spare room beyond this (`flow_kv`; on CPU mostly untouched address space)."""
         enc = self.encoder
         tails = [enc.lookahead_tail, enc.upsample_tail] + [
             t for c in self.estimator for t in c.conv_tails.values()

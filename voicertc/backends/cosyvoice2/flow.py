@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from voicertc.backends.cosyvoice2.checkpoint import check_layout
 from voicertc.backends.cosyvoice2.flow_cfm import CausalConditionalCFM, fixed_noise
 from voicertc.backends.cosyvoice2.flow_config import NOISE_FRAMES, YAML_NAME, FlowConfig
 from voicertc.backends.cosyvoice2.flow_encoder import EncoderCache, UpsampleConformerEncoder
@@ -283,24 +284,7 @@ class CausalFlow(nn.Module):
 
 def load_flow_state_dict(module: CausalFlow, state_dict: dict[str, Tensor], source_name: str) -> None:
     """Strict load with an error that names the offending keys / shapes and the file."""
-    expected = module.state_dict()
-    missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected]
-    wrong = [
-        f"{k}: file {list(state_dict[k].shape)} vs model {list(v.shape)}"
-        for k, v in expected.items()
-        if k in state_dict and tuple(state_dict[k].shape) != tuple(v.shape)
-    ]
-    problems = []
-    if missing:
-        problems.append(f"missing keys ({len(missing)}): {', '.join(missing[:5])}")
-    if unexpected:
-        problems.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected[:5])}")
-    if wrong:
-        problems.append(f"wrong shapes ({len(wrong)}): {'; '.join(wrong[:5])}")
-    if problems:
-        raise ModelDirError(
-            f"{source_name}: does not match the flow built from {YAML_NAME}: " + " | ".join(problems)
-        )
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    check_layout(state_dict, expected, source_name, f"flow built from {YAML_NAME}")
     module.load_state_dict(state_dict, strict=True)
     logger.debug("loaded flow weights from %s (%d tensors)", source_name, len(state_dict))

@@ -92,13 +92,16 @@ def test_long_prompt_is_precomputed_once(flow, golden):
     speech = tokens[:, :150]
     state = flow.init_stream(long_prompt, long_feat, embedding)
     assert state.encoder.tokens == 50 and state.frames == 100
-    voice = state.clone()
+    voice, voice_again = state.clone(), state.clone()
     mels = _stream(flow, speech, state, long_prompt.shape[1], lambda i: 50)
     whole = flow.infer(speech, long_prompt, long_feat, embedding, streaming=True, finalize=True)
     assert_close(torch.cat(mels, dim=2), whole, atol=ATOL, rtol=RTOL)
-    # the saved voice state is untouched by the utterance and gives the same result again
+    # the saved voice state is untouched by the utterance and gives the same result again (the clones
+    # attend over the prompt prefix and their own frames separately: equal up to float rounding)
     again = _stream(flow, speech, voice, long_prompt.shape[1], lambda i: 50)
-    assert_close(torch.cat(again, dim=2), torch.cat(mels, dim=2), atol=0.0, rtol=0.0)
+    assert_close(torch.cat(again, dim=2), torch.cat(mels, dim=2), atol=ATOL, rtol=RTOL)
+    once_more = _stream(flow, speech, voice_again, long_prompt.shape[1], lambda i: 50)
+    assert_close(torch.cat(once_more, dim=2), torch.cat(again, dim=2), atol=0.0, rtol=0.0)
 
 
 def test_causality_earlier_chunks_ignore_later_tokens(flow, golden):
@@ -214,7 +217,9 @@ def test_voice_state_cloned_twice_is_not_aliased(flow, golden, kv_reserve):
         (kv.keys[:, :, : kv.length].clone(), kv.values[:, :, : kv.length].clone()) for kv in voice.kv_caches()
     ]  # type: ignore[index]
     first = voice.clone()
-    assert all(a.keys is b.keys for a, b in zip(first.kv_caches(), voice.kv_caches(), strict=True))
+    for a, b in zip(first.kv_caches(), voice.kv_caches(), strict=True):  # views of the voice's buffers
+        assert a.prefix_keys is not None and b.keys is not None
+        assert a.keys is None and a.prefix_keys.data_ptr() == b.keys.data_ptr()
     # 10 pending + 15 new tokens first: small chunks write into the buffers' spare room, where a
     # clone that wrote without copying first would overwrite its siblings' frames
     plan = [(0, 18, False), (15, 43, False), (40, 68, False), (65, 125, True)]
@@ -230,6 +235,29 @@ def test_voice_state_cloned_twice_is_not_aliased(flow, golden, kv_reserve):
         assert torch.equal(kv.keys[:, :, : kv.length], keys) and torch.equal(
             kv.values[:, :, : kv.length], values
         )  # type: ignore[index]
+
+
+def test_cloned_voice_first_chunk_copies_no_prompt(flow, golden, kv_reserve):
+    """The voice's K/V are a read-only prefix of its clones: a clone's first chunk stores only its
+    own frames' keys/values (it used to copy the whole prompt history of every attention layer), and
+    two utterances of one voice stream independently (interleaved equals alone)."""
+    tokens, prompt_tokens, prompt_feat, embedding = _inputs(golden)
+    long_prompt = torch.cat([prompt_tokens, tokens[:, 157:200]], dim=1)
+    long_feat = torch.cat([prompt_feat, golden["chunkmask_mel"][:, :, -86:].transpose(1, 2)], dim=1)
+    voice = flow.init_stream(long_prompt, long_feat, embedding)
+    prompt_elements = sum(kv.filled_bytes() for kv in voice.kv_caches()) // 4
+    alone = flow.stream_step(tokens[:, :18], voice.clone(), finalize=False)
+    first, second = voice.clone(), voice.clone()
+    before = sum(kv.written_elements for kv in first.kv_caches())
+    mel_second = flow.stream_step(torch.flip(tokens[:, :18], dims=[1]), second, finalize=False)
+    mel_first = flow.stream_step(tokens[:, :18], first, finalize=False)
+    written = sum(kv.written_elements for kv in first.kv_caches()) - before
+    own = sum(kv.filled_bytes() for kv in first.kv_caches()) // 4
+    assert 0 < written == own < prompt_elements  # only the chunk's own frames, no prompt copy
+    assert_close(mel_first, alone, atol=0.0, rtol=0.0)
+    assert not torch.equal(mel_second, mel_first)
+    again = flow.stream_step(tokens[:, :18], voice.clone(), finalize=False)
+    assert_close(again, alone, atol=0.0, rtol=0.0)  # the voice itself is untouched
 
 
 def test_chunk_cost_does_not_grow_with_history(flow, golden, kv_reserve):

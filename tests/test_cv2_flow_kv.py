@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from voicertc.backends.cosyvoice2.flow_kv import MOVE_RATE, KVCache
+from voicertc.backends.cosyvoice2.flow_kv import MOVE_RATE, KVCache, two_segment_attention
 
 
 def _frames(gen: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,3 +95,43 @@ def test_reserved_room_is_filled_in_place():
         cache.append(k, v)
         assert cache.keys is buffer and cache.written_elements - before == k.numel() + v.numel()
     assert cache.share().reserve_frames == 500
+
+
+def test_fork_reads_prefix_without_copying_and_forks_stay_independent():
+    """A fork's first append stores only its new frames (the owner's frames are a read-only prefix);
+    forks, forks of forks and the owner never see each other's frames."""
+    gen = torch.Generator().manual_seed(4)
+    owner = KVCache(reserve_frames=300)
+    owner.append(*_frames(gen, 150))
+    snapshot = owner.keys[:, :, :150].clone()  # type: ignore[index]
+    first, second = owner.fork(), owner.fork()
+    owner_tail, first_tail, second_tail = _frames(gen, 10), _frames(gen, 10), _frames(gen, 20)
+    owner.append(*owner_tail)  # the owner writes after frame 150, in the buffer the forks read
+    for fork, tail in [(first, first_tail), (second, second_tail)]:
+        before = fork.written_elements
+        keys, values = fork.append(*tail)
+        assert fork.written_elements - before == tail[0].numel() + tail[1].numel()  # no prefix copy
+        prefix = fork.prefix()
+        assert prefix is not None and torch.equal(prefix[0], snapshot)
+        assert torch.equal(keys, tail[0]) and torch.equal(values, tail[1])
+        assert fork.frames == 150 + tail[0].shape[2]
+    refork = first.fork()  # keeps the prefix, shares its own frames copy-on-write
+    refork_tail = _frames(gen, 5)
+    keys, _ = refork.append(*refork_tail)
+    assert torch.equal(keys, torch.cat([first_tail[0], refork_tail[0]], dim=2))
+    keys_first, _ = first.append(*_frames(gen, 5))
+    assert torch.equal(keys_first[:, :, :10], first_tail[0])
+    assert torch.equal(owner.keys[:, :, :150], snapshot)  # type: ignore[index]
+    assert torch.equal(owner.keys[:, :, 150:160], owner_tail[0])  # type: ignore[index]
+
+
+def test_two_segment_attention_equals_attention_over_concatenation():
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 3, 7, 4, generator=gen)
+    k, v = torch.randn(2, 3, 19, 4, generator=gen), torch.randn(2, 3, 19, 4, generator=gen)
+    mask = torch.rand(7, 19, generator=gen) > 0.3
+    mask[:, 0] = True
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    scores = q @ k.transpose(-2, -1) / 2.0
+    got = two_segment_attention(scores[..., :12], scores[..., 12:], mask, v[:, :, :12], v[:, :, 12:])
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)

@@ -77,13 +77,14 @@ class FlowStreamState:
 
     def clone(self) -> FlowStreamState:
         """An independent copy (e.g. a voice's prompt state reused per utterance, or a batch member's
-        state saved for a retry). Cheap: K/V buffers are shared copy-on-write (`KVCache.share`), the
-        other cached tensors are never written in place, so no tensor data is copied here."""
+        state saved for a retry). Cheap: the K/V so far become a read-only prefix of the clone's caches
+        (`KVCache.fork`: never copied, also not by the clone's first chunk), the other cached tensors
+        are never written in place, so no tensor data is copied here."""
         enc = self.encoder
         encoder = replace(
             enc,
-            layers=[c.share() for c in enc.layers],
-            up_layers=[c.share() for c in enc.up_layers],
+            layers=[c.fork() for c in enc.layers],
+            up_layers=[c.fork() for c in enc.up_layers],
         )
         return replace(self, encoder=encoder, estimator=[c.share() for c in self.estimator])
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from voicertc.backends.cosyvoice2.flow_config import ENCODER_UPSAMPLE_STRIDE, EncoderConfig
-from voicertc.backends.cosyvoice2.flow_kv import KVCache
+from voicertc.backends.cosyvoice2.flow_kv import KVCache, two_segment_attention
 
 _CONFORMER_LN_EPS = 1e-12
 _EMBED_LN_EPS = 1e-5
@@ -120,24 +120,37 @@ class RelPositionAttention(nn.Module):
         start, query_len = cache.frames, x.shape[1]
         q = self._split(self.linear_q(x))
         k, v = cache.append(self._split(self.linear_k(x)), self._split(self.linear_v(x)))
-        key_len = k.shape[2]
+        prefix = cache.prefix()  # a forked cache's read-only prompt frames, never concatenated
+        key_len = k.shape[2] + (0 if prefix is None else prefix[0].shape[2])
         q_u = q + self.pos_bias_u[None, :, None, :]
+        scores_own = q_u @ k.transpose(-2, -1)  # [B, H, Tq, U]
+        scores_pos = self._position_scores(q, start, query_len, key_len)  # [B, H, Tq, key_len]
+        if prefix is None:
+            scores = (scores_own + scores_pos) / math.sqrt(self.head_dim)
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            attn = torch.softmax(scores, dim=-1)
+            out = attn @ v
+        else:
+            prefix_len = prefix[0].shape[2]
+            scores_prefix = q_u @ prefix[0].transpose(-2, -1)  # [B, H, Tq, P]
+            scores_prefix = (scores_prefix + scores_pos[..., :prefix_len]) / math.sqrt(self.head_dim)
+            scores_own = (scores_own + scores_pos[..., prefix_len:]) / math.sqrt(self.head_dim)
+            out = two_segment_attention(scores_prefix, scores_own, mask, prefix[1], v)
+        return self.linear_out(out.transpose(1, 2).reshape(x.shape[0], query_len, -1))
+
+    def _position_scores(self, q: Tensor, start: int, query_len: int, key_len: int) -> Tensor:
+        """(q + v) p_{i-j} for new queries i = start.. and every key j = 0..key_len-1."""
+        # q: [B, H, Tq, Dh] -> [B, H, Tq, key_len]
         q_v = q + self.pos_bias_v[None, :, None, :]
-        scores_content = q_u @ k.transpose(-2, -1)
         # relative position r = i - j runs from key_len-1 down to -(query_len-1)
         positions = self.projected_positions(key_len - 1, -(query_len - 1)).to(q.dtype)
         scores_pos_all = q_v @ positions.transpose(-2, -1)  # [B, H, Tq, key_len+query_len-1]
-        qi = torch.arange(query_len, device=x.device)[:, None]
-        kj = torch.arange(key_len, device=x.device)[None, :]
+        qi = torch.arange(query_len, device=q.device)[:, None]
+        kj = torch.arange(key_len, device=q.device)[None, :]
         index = (key_len - 1) - (start + qi - kj)
         index = index.expand(scores_pos_all.shape[0], self.heads, query_len, key_len)
-        scores_pos = torch.gather(scores_pos_all, 3, index)
-        scores = (scores_content + scores_pos) / math.sqrt(self.head_dim)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        attn = torch.softmax(scores, dim=-1)
-        out = (attn @ v).transpose(1, 2).reshape(x.shape[0], query_len, -1)
-        return self.linear_out(out)
+        return torch.gather(scores_pos_all, 3, index)
 
 
 class FeedForward(nn.Module):

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from voicertc.backends.cosyvoice2.flow_config import EstimatorConfig
 from voicertc.backends.cosyvoice2.flow_encoder import chunk_attention_mask
-from voicertc.backends.cosyvoice2.flow_kv import KVCache
+from voicertc.backends.cosyvoice2.flow_kv import KVCache, two_segment_attention
 
 
 @dataclass
@@ -36,8 +36,9 @@ class EstimatorCache:
     reserve_frames: int = 0  # first K/V buffer capacity
 
     def share(self) -> EstimatorCache:
-        """An independent cache with the same context; copies no tensor data (see `KVCache.share`)."""
-        attention = {slot: kv.share() for slot, kv in self.attention.items()}
+        """An independent cache with the same context; copies no tensor data, now or when it is first
+        written: the K/V so far become a read-only prefix (see `KVCache.fork`)."""
+        attention = {slot: kv.fork() for slot, kv in self.attention.items()}
         return EstimatorCache(self.frames, dict(self.conv_tails), attention, self.reserve_frames)
 
     def kv(self, slot: int) -> KVCache:
@@ -76,13 +77,23 @@ class _Batch:
 
     def attend(self, slot: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # q, k, v: [B, H, Tq, Dh] for the new frames -> [B, H, Tq, Dh] over cached + new keys
-        # (the new keys are written into the group's buffer; SDPA reads a view of it: no copies)
+        # (the new keys are written into the group's buffer; attention reads views of it and of a
+        # forked cache's read-only prompt prefix: no copies)
         outs = []
         for group, cache in enumerate(self.caches):
             rows = slice(group * self.rows, (group + 1) * self.rows)
-            keys, values = cache.kv(slot).append(k[rows], v[rows])
+            kv = cache.kv(slot)
+            keys, values = kv.append(k[rows], v[rows])
             mask = self.mask(group, q.shape[2], q.device)
-            outs.append(F.scaled_dot_product_attention(q[rows], keys, values, attn_mask=mask))
+            prefix = kv.prefix()
+            if prefix is None:
+                outs.append(F.scaled_dot_product_attention(q[rows], keys, values, attn_mask=mask))
+                continue
+            scale = 1.0 / math.sqrt(q.shape[-1])
+            q_rows = q[rows] * scale
+            scores_prefix = q_rows @ prefix[0].transpose(-2, -1)  # [rows, H, Tq, P]
+            scores_own = q_rows @ keys.transpose(-2, -1)  # [rows, H, Tq, U]
+            outs.append(two_segment_attention(scores_prefix, scores_own, mask, prefix[1], values))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 

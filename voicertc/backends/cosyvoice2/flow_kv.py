@@ -14,12 +14,18 @@ Sharing (`share()`, what `FlowStreamState.clone()` uses): the clone reads the sa
 its frames into a buffer of its own before its first write (copy on write). The owner only ever writes
 at positions >= its length, and a sharer never reads beyond the length it was given, so neither can
 corrupt the other; `share()` itself copies no tensor data.
+
+Forking (`fork()`, what `FlowStreamState.clone()` uses for a voice's prompt state): the fork reads the
+owner's frames as a read-only `prefix` and appends into a buffer of its own that starts empty, so even
+its first chunk copies nothing of the prompt; attention then runs over the two segments (`prefix()`
+and what `append` returns), see `two_segment_attention`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 MIGRATE_AT = 0.75  # start moving into a 2x buffer once this fraction of the capacity is filled
@@ -46,10 +52,23 @@ class KVCache:
     move_end: int = 0
     written_elements: int = 0
     reserve_frames: int = 0  # capacity of the first buffer (see `FlowStreamState`: CPU reserves)
+    prefix_keys: Tensor | None = None  # [B, heads, P, head_dim] frames [0, P), read-only (`fork`)
+    prefix_values: Tensor | None = None
+
+    @property
+    def prefix_frames(self) -> int:
+        return 0 if self.prefix_keys is None else self.prefix_keys.shape[2]
 
     @property
     def frames(self) -> int:
-        return self.length
+        """Every frame attended to: the read-only prefix plus the own frames [0, length)."""
+        return self.prefix_frames + self.length
+
+    def prefix(self) -> tuple[Tensor, Tensor] | None:
+        """The read-only leading frames (keys, values), or None when every frame is in the own buffer."""
+        if self.prefix_keys is None or self.prefix_values is None:
+            return None
+        return self.prefix_keys, self.prefix_values
 
     @property
     def capacity(self) -> int:
@@ -64,16 +83,33 @@ class KVCache:
             shared=True,
             written_elements=self.written_elements,
             reserve_frames=self.reserve_frames,
+            prefix_keys=self.prefix_keys,
+            prefix_values=self.prefix_values,
+        )
+
+    def fork(self) -> KVCache:
+        """A cache whose frames so far are a read-only prefix (views, never copied, also not on the
+        first append) and whose own buffer starts empty; a cache that already has a prefix keeps it
+        and shares its own frames copy-on-write (`share`)."""
+        if self.prefix_keys is not None or self.keys is None or self.values is None or not self.length:
+            return self.share()
+        return KVCache(
+            written_elements=self.written_elements,
+            reserve_frames=self.reserve_frames,
+            prefix_keys=self.keys[:, :, : self.length],
+            prefix_values=self.values[:, :, : self.length],
         )
 
     def filled_bytes(self) -> int:
+        """Bytes of the own frames (a prefix belongs to the cache it was forked from)."""
         if self.keys is None:
             return 0
         per_frame = self.keys[:, :, :1].numel() * self.keys.element_size()
         return 2 * per_frame * self.length
 
     def append(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
-        """Store the new frames; returns views of every cached frame (old ++ new), no copy of the old."""
+        """Store the new frames; returns views of every own frame (old ++ new, after any `prefix()`),
+        no copy of the old."""
         # keys, values: [B, H, n, Dh] -> ([B, H, length + n, Dh], [B, H, length + n, Dh])
         start, end = self.length, self.length + keys.shape[2]
         if self.keys is None or self.values is None or self.shared or end > self.capacity:
@@ -130,3 +166,19 @@ class KVCache:
         if stop == self.move_end:
             self.keys, self.values = self.next_keys, self.next_values
             self.next_keys = self.next_values = None
+
+
+def two_segment_attention(
+    scores_prefix: Tensor, scores_own: Tensor, mask: Tensor | None, prefix_values: Tensor, values: Tensor
+) -> Tensor:
+    """Exact softmax attention over [prefix ++ own] keys without concatenating the keys/values.
+
+    Only the small score tensors are concatenated; `mask` ([Tq, P + U] bool, True = visible) covers
+    both segments, as it would the concatenated keys."""
+    # scores_prefix: [B, H, Tq, P], scores_own: [B, H, Tq, U] (already scaled) -> [B, H, Tq, Dh]
+    scores = torch.cat([scores_prefix, scores_own], dim=-1)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    prefix_len = scores_prefix.shape[-1]
+    return weights[..., :prefix_len] @ prefix_values + weights[..., prefix_len:] @ values

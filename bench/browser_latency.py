@@ -26,21 +26,9 @@ import random
 import tempfile
 from typing import Any
 
-from bench.peer import served
+from bench.peer import CHROMIUM, CHROMIUM_ARGS, served
 from bench.report import summary, table, write_json
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--autoplay-policy=no-user-gesture-required",
-]
 TEXTS = {
     "short (4 words)": "Hello, how are you?",
     "medium (10 words)": "I can help you book a table for dinner tonight.",

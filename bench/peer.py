@@ -24,6 +24,20 @@ import aiohttp
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 
+# Debian's Chromium (never a downloaded browser) and the flags that make WebRTC work headless.
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--autoplay-policy=no-user-gesture-required",
+]
+
 REPO = Path(__file__).resolve().parents[1]
 PIPER_CONFIG_TOML = """\
 [server]

@@ -18,19 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.peer import CHROMIUM, CHROMIUM_ARGS
+
 REPO = Path(__file__).resolve().parents[1]
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--autoplay-policy=no-user-gesture-required",
-]
 CAPTURE_RATE_HZ = 16000
 
 

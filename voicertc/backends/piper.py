@@ -81,6 +81,7 @@ class PiperBackend:
         self.first_clause_min_chars = first_clause_min_chars
         self.second_chunk_chars = second_chunk_chars
         self.max_chunk_chars = max_chunk_chars
+        self.synthesize("Ready.")  # warm onnxruntime up: the first real utterance pays no first-run cost
         logger.info(
             "piper voice %s loaded (%d Hz, %d thread(s))", self.voice_id, self.sample_rate_hz, threads
         )

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from voicertc.backends.cosyvoice2.flow_kv import MOVE_RATE, KVCache, two_segment_attention
+from voicertc.backends.cosyvoice2.flow_kv import MOVE_RATE, KVCache, two_segment_attention, two_segment_sdpa
 
 
 def _frames(gen: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,3 +135,17 @@ def test_two_segment_attention_equals_attention_over_concatenation():
     scores = q @ k.transpose(-2, -1) / 2.0
     got = two_segment_attention(scores[..., :12], scores[..., 12:], mask, v[:, :, :12], v[:, :, 12:])
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_two_segment_sdpa_equals_sdpa_over_concatenation():
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 7, 3, 4, generator=gen).transpose(1, 2)  # non-contiguous like a heads split
+    k, v = torch.randn(2, 3, 19, 4, generator=gen), torch.randn(2, 3, 19, 4, generator=gen)
+    mask = torch.rand(7, 19, generator=gen) > 0.3
+    mask[:, 12] = True  # every query sees at least one key of each segment
+    mask[:, 0] = True
+    for visible in [mask, None]:
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+        prefix = (k[:, :, :12], v[:, :, :12])
+        got = two_segment_sdpa(q, prefix, k[:, :, 12:], v[:, :, 12:], visible)
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)

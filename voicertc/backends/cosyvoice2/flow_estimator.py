@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from voicertc.backends.cosyvoice2.flow_config import EstimatorConfig
 from voicertc.backends.cosyvoice2.flow_encoder import chunk_attention_mask
-from voicertc.backends.cosyvoice2.flow_kv import KVCache, two_segment_attention
+from voicertc.backends.cosyvoice2.flow_kv import KVCache, two_segment_sdpa
 
 
 @dataclass
@@ -89,11 +89,7 @@ class _Batch:
             if prefix is None:
                 outs.append(F.scaled_dot_product_attention(q[rows], keys, values, attn_mask=mask))
                 continue
-            scale = 1.0 / math.sqrt(q.shape[-1])
-            q_rows = q[rows] * scale
-            scores_prefix = q_rows @ prefix[0].transpose(-2, -1)  # [rows, H, Tq, P]
-            scores_own = q_rows @ keys.transpose(-2, -1)  # [rows, H, Tq, U]
-            outs.append(two_segment_attention(scores_prefix, scores_own, mask, prefix[1], values))
+            outs.append(two_segment_sdpa(q[rows], prefix, keys, values, mask))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 

@@ -23,6 +23,7 @@ and what `append` returns), see `two_segment_attention`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -171,14 +172,48 @@ class KVCache:
 def two_segment_attention(
     scores_prefix: Tensor, scores_own: Tensor, mask: Tensor | None, prefix_values: Tensor, values: Tensor
 ) -> Tensor:
-    """Exact softmax attention over [prefix ++ own] keys without concatenating the keys/values.
+    """Exact softmax attention over [prefix ++ own] keys without concatenating keys, values or scores.
 
-    Only the small score tensors are concatenated; `mask` ([Tq, P + U] bool, True = visible) covers
-    both segments, as it would the concatenated keys."""
+    The softmax is written out (shared running max, exp, one normaliser) so every tensor stays
+    contiguous; `mask` ([Tq, P + U] bool, True = visible) covers both segments as it would the
+    concatenated keys."""
     # scores_prefix: [B, H, Tq, P], scores_own: [B, H, Tq, U] (already scaled) -> [B, H, Tq, Dh]
-    scores = torch.cat([scores_prefix, scores_own], dim=-1)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1)
     prefix_len = scores_prefix.shape[-1]
-    return weights[..., :prefix_len] @ prefix_values + weights[..., prefix_len:] @ values
+    if mask is not None:
+        scores_prefix = scores_prefix.masked_fill(~mask[:, :prefix_len], float("-inf"))
+        scores_own = scores_own.masked_fill(~mask[:, prefix_len:], float("-inf"))
+    peak = torch.maximum(scores_prefix.amax(dim=-1, keepdim=True), scores_own.amax(dim=-1, keepdim=True))
+    weights_prefix = (scores_prefix - peak).exp_()
+    weights_own = (scores_own - peak).exp_()
+    total = weights_prefix.sum(dim=-1, keepdim=True) + weights_own.sum(dim=-1, keepdim=True)
+    return (weights_prefix @ prefix_values + weights_own @ values) / total
+
+
+def two_segment_sdpa(
+    q: Tensor, prefix: tuple[Tensor, Tensor], keys: Tensor, values: Tensor, mask: Tensor | None
+) -> Tensor:
+    """Scaled dot-product attention of `q` over [prefix ++ own] keys, exactly, without concatenating.
+
+    On CPU each segment runs the fused flash kernel, which also returns its log-sum-exp, and the two
+    partial outputs are merged by their softmax mass; elsewhere the scores are formed explicitly."""
+    # q: [B, H, Tq, Dh], prefix: ([B, H, P, Dh], [B, H, P, Dh]), keys/values: [B, H, U, Dh] -> [B, H, Tq, Dh]
+    prefix_keys, prefix_values = prefix
+    prefix_len = prefix_keys.shape[2]
+    if q.device.type != "cpu" or not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        scaled = (q * (1.0 / math.sqrt(q.shape[-1]))).contiguous()
+        scores_prefix = scaled @ prefix_keys.transpose(-2, -1)
+        scores_own = scaled @ keys.transpose(-2, -1)
+        return two_segment_attention(scores_prefix, scores_own, mask, prefix_values, values)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    parts = []
+    for segment_keys, segment_values, visible in [
+        (prefix_keys, prefix_values, None if mask is None else mask[:, :prefix_len]),
+        (keys, values, None if mask is None else mask[:, prefix_len:]),
+    ]:
+        bias = None if visible is None else q.new_zeros(visible.shape).masked_fill(~visible, float("-inf"))
+        parts.append(flash(q, segment_keys, segment_values, 0.0, False, attn_mask=bias))
+    (out_prefix, lse_prefix), (out_own, lse_own) = parts
+    lse = torch.logaddexp(lse_prefix, lse_own)  # [B, H, Tq]
+    share_prefix = (lse_prefix - lse).exp().unsqueeze(-1).to(q.dtype)
+    share_own = (lse_own - lse).exp().unsqueeze(-1).to(q.dtype)
+    return out_prefix * share_prefix + out_own * share_own

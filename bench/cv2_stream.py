@@ -164,8 +164,8 @@ def main() -> None:
     print(f"voice preparation (flow prompt state + LLM prefix, once per voice): {1e3 * voice_prep_s:.0f} ms")
     ttfa = summary([float(r["ttfa_ms"]) for r in rows])  # type: ignore[arg-type]
     print(f"ttfa_ms p50 {ttfa['p50']:.0f}, p95 {ttfa['p95']:.0f}")
-    record = {"args": vars(args), "flow_chunks": flow_rows, "flat_ratio": flat, "gflop_ratio": floor, "ttfa": rows,
-              "ttfa_summary_ms": ttfa, "voice_prep_ms": 1e3 * voice_prep_s}  # fmt: skip
+    record = {"args": vars(args), "flow_chunks": flow_rows, "flat_ratio": flat, "gflop_ratio": floor,
+              "ttfa": rows, "ttfa_summary_ms": ttfa, "voice_prep_ms": 1e3 * voice_prep_s}  # fmt: skip
     name = f"cv2_stream_{args.device.split(':')[0]}_prompt{args.prompt_tokens}"
     print(f"wrote {write_json(name, record)}")
 

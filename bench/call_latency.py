@@ -19,7 +19,8 @@ Measurement points, all on this process's `time.monotonic()`, t0 just before the
 - `encode_ms`: first_rtp - first_frame (aiortc's Opus encode in its executor + packetize + send).
 - `audible_rtp_ms`: the RTP packet of the first frame with a sample above 0.01 (-40 dBFS; Piper's
   output starts quietly), the server-side counterpart of bench/browser_latency.py's threshold.
-- `server_ttfa_ms`: the server's own `speech.started` ttfa (from when the utterance could play -> first frame).
+- `server_ttfa_ms`: the server's own `speech.started` ttfa (from when the utterance could play -> first
+  frame).
 Prints a table; writes bench/results/call_latency.json.
 """
 

@@ -74,6 +74,7 @@ def main() -> None:
         piece = tokens[:, offset:] if final else tokens[:, offset : offset + hop + 3]
         inc, t_inc = timed(lambda p=piece, f=final: flow.stream_step(p, state, finalize=f), args.device)
         end = args.tokens if final else offset + hop + 3
+
         def recompute(e: int = end, f: bool = final) -> torch.Tensor:
             return flow.infer(tokens[:, :e], prompt, feat, embedding, streaming=True, finalize=f)
 

@@ -390,4 +390,3 @@ class EngineWorker:
         except Exception:
             logger.exception("engine %s: backend close failed", self.name)
         logger.info("engine %s stopped", self.name)
-

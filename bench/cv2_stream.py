@@ -93,6 +93,17 @@ def flow_chunk_rows(
     return rows
 
 
+def flatness(rows: list[dict[str, object]], last: int) -> tuple[float, float]:
+    """(measured chunk `last` / chunk 2, the same ratio of the estimator's GFLOP)."""
+    by_chunk = {int(r["chunk"]): r for r in rows}  # type: ignore[call-overload]
+
+    def gflop(k: int) -> float:
+        return float(by_chunk[k]["dense_gflop"]) + float(by_chunk[k]["attention_gflop"])  # type: ignore[arg-type]
+
+    measured = float(by_chunk[last]["incremental_ms"]) / float(by_chunk[2]["incremental_ms"])  # type: ignore[arg-type]
+    return measured, gflop(last) / gflop(2)
+
+
 def _utterance(uid: str, voice_id: str) -> Utterance:
     now = time.monotonic()
     return Utterance(
@@ -139,7 +150,7 @@ def ttfa_rows(model: CosyVoice2Model, runs: int, device: str) -> tuple[list[dict
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-dir", default=str(DEFAULT_OUT))
-    parser.add_argument("--chunks", type=int, default=12)
+    parser.add_argument("--chunks", type=int, default=12, help="flow chunks for (a); 0 = skip (a)")
     parser.add_argument("--prompt-tokens", type=int, default=17, help="flow prompt for (a); 75 = 3 s")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--device", default="cpu")
@@ -149,15 +160,14 @@ def main() -> None:
     make_full_model_dir(DEFAULT_OUT) if args.model_dir == str(DEFAULT_OUT) else None
     model = load(args.model_dir, args.device)
 
-    flow_rows = flow_chunk_rows(model.flow, args.chunks, args.prompt_tokens, args.device)
-    print(table(flow_rows, list(flow_rows[0])))
-    by_chunk = {r["chunk"]: r for r in flow_rows}
-    last, second = by_chunk[args.chunks], by_chunk[2]
-    flat = float(last["incremental_ms"]) / float(second["incremental_ms"])  # type: ignore[arg-type]
-    gflop = {k: float(r["dense_gflop"]) + float(r["attention_gflop"]) for k, r in by_chunk.items()}  # type: ignore[arg-type]
-    floor = gflop[args.chunks] / gflop[2]
-    print(f"incremental chunk {args.chunks} / chunk 2 = {flat:.2f} (target <= 1.3); "
-          f"estimator GFLOP ratio (exact attention's floor) = {floor:.2f}")  # fmt: skip
+    flow_rows: list[dict[str, object]] = []
+    flat = floor = float("nan")
+    if args.chunks >= 2:
+        flow_rows = flow_chunk_rows(model.flow, args.chunks, args.prompt_tokens, args.device)
+        flat, floor = flatness(flow_rows, args.chunks)
+        print(table(flow_rows, list(flow_rows[0])))
+        print(f"incremental chunk {args.chunks} / chunk 2 = {flat:.2f} (target <= 1.3); "
+              f"estimator GFLOP ratio (exact attention's floor) = {floor:.2f}")  # fmt: skip
 
     rows, voice_prep_s = ttfa_rows(model, args.runs, args.device)
     print(table(rows, list(rows[0])))
@@ -166,7 +176,8 @@ def main() -> None:
     print(f"ttfa_ms p50 {ttfa['p50']:.0f}, p95 {ttfa['p95']:.0f}")
     record = {"args": vars(args), "flow_chunks": flow_rows, "flat_ratio": flat, "gflop_ratio": floor,
               "ttfa": rows, "ttfa_summary_ms": ttfa, "voice_prep_ms": 1e3 * voice_prep_s}  # fmt: skip
-    name = f"cv2_stream_{args.device.split(':')[0]}_prompt{args.prompt_tokens}"
+    part = f"prompt{args.prompt_tokens}" if flow_rows else "ttfa_only"
+    name = f"cv2_stream_{args.device.split(':')[0]}_{part}"
     print(f"wrote {write_json(name, record)}")
 
 

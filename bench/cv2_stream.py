@@ -12,7 +12,8 @@
     incremental flow can be.
 (b) Time to first audio through `CosyVoice2Backend.step` (no worker queue): frontend, LLM prefill,
     decode to the first hop, flow and vocoder of the first chunk, for a zero-shot voice with a 3 s
-    prompt (75 tokens) and a 26-token transcript.
+    prompt (75 tokens; `--ttfa-prompt-tokens`) and a 26-token transcript. `--first-hop 13 --grid 25`
+    measures the short first hop on the flow's grid (same mel, see voicertc/engine/schedule.py).
 Prints two tables and writes bench/results/cv2_stream_<device>.json.
 """
 
@@ -29,6 +30,7 @@ from bench.report import summary, table, write_json
 from voicertc.backends.cosyvoice2.engine_backend import BackendOptions, CosyVoice2Backend
 from voicertc.backends.cosyvoice2.flow import CausalFlow
 from voicertc.backends.cosyvoice2.loader import CosyVoice2Model, load
+from voicertc.engine import ChunkSchedule
 from voicertc.engine.utterance import Utterance
 
 HOP, LOOKAHEAD = 25, 3
@@ -112,18 +114,20 @@ def _utterance(uid: str, voice_id: str) -> Utterance:
     )  # fmt: skip
 
 
-def ttfa_rows(model: CosyVoice2Model, runs: int, device: str) -> tuple[list[dict[str, object]], float]:
+def ttfa_rows(
+    model: CosyVoice2Model, runs: int, device: str, prompt_tokens: int, schedule: ChunkSchedule
+) -> tuple[list[dict[str, object]], float]:
     gen = torch.Generator().manual_seed(11)
     started = time.perf_counter()
     voice = model.voice_from_features(
-        torch.randint(0, 6561, (1, 75), generator=gen),
-        torch.randn(1, 150, 80, generator=gen) - 3.0,
+        torch.randint(0, 6561, (1, prompt_tokens), generator=gen),
+        torch.randn(1, 2 * prompt_tokens, 80, generator=gen) - 3.0,
         torch.randn(1, 192, generator=gen),
         model.text_frontend.encode(TRANSCRIPT),
         voice_id="bench",
     )
     voice_prep_s = time.perf_counter() - started
-    backend = CosyVoice2Backend(model, options=BackendOptions(seed=5))
+    backend = CosyVoice2Backend(model, schedule, options=BackendOptions(seed=5))
     backend.add_voice(voice, persist=False)
     rows = []
     for run in range(runs):
@@ -155,6 +159,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ttfa-prompt-tokens", type=int, default=75, help="voice prompt for (b)")
+    parser.add_argument("--first-hop", type=int, default=25, help="schedule.first_hop_tokens for (b)")
+    parser.add_argument("--grid", type=int, default=0, help="schedule.grid_tokens for (b); 0 = reference")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     make_full_model_dir(DEFAULT_OUT) if args.model_dir == str(DEFAULT_OUT) else None
@@ -169,14 +176,17 @@ def main() -> None:
         print(f"incremental chunk {args.chunks} / chunk 2 = {flat:.2f} (target <= 1.3); "
               f"estimator GFLOP ratio (exact attention's floor) = {floor:.2f}")  # fmt: skip
 
-    rows, voice_prep_s = ttfa_rows(model, args.runs, args.device)
+    schedule = ChunkSchedule(first_hop_tokens=args.first_hop, grid_tokens=args.grid or None)
+    rows, voice_prep_s = ttfa_rows(model, args.runs, args.device, args.ttfa_prompt_tokens, schedule)
     print(table(rows, list(rows[0])))
     print(f"voice preparation (flow prompt state + LLM prefix, once per voice): {1e3 * voice_prep_s:.0f} ms")
     ttfa = summary([float(r["ttfa_ms"]) for r in rows])  # type: ignore[arg-type]
     print(f"ttfa_ms p50 {ttfa['p50']:.0f}, p95 {ttfa['p95']:.0f}")
     record = {"args": vars(args), "flow_chunks": flow_rows, "flat_ratio": flat, "gflop_ratio": floor,
               "ttfa": rows, "ttfa_summary_ms": ttfa, "voice_prep_ms": 1e3 * voice_prep_s}  # fmt: skip
-    part = f"prompt{args.prompt_tokens}" if flow_rows else "ttfa_only"
+    part = (
+        f"prompt{args.prompt_tokens}" if flow_rows else f"ttfa_p{args.ttfa_prompt_tokens}_hop{args.first_hop}"
+    )
     name = f"cv2_stream_{args.device.split(':')[0]}_{part}"
     print(f"wrote {write_json(name, record)}")
 

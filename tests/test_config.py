@@ -42,6 +42,7 @@ def test_values_are_read_and_typed(tmp_path):
         ("[engine]\nbackend = 'espeak'\n", "engine.backend"),
         ("[engine]\nbackend = 'cosyvoice2'\n", "engine.model_dir"),
         ("[schedule]\nmax_hop_tokens = 10\n", "schedule.max_hop_tokens"),
+        ("[schedule]\ngrid_tokens = -25\n", "schedule.grid_tokens"),
         ("[auth]\ntokens = [1]\n", "auth.tokens"),
         ("[server]\nuse_uvloop = 1\n", "server.use_uvloop"),
     ],

@@ -21,7 +21,7 @@ from engine_helpers import EventLog, RecordingSink
 
 from voicertc.backends.cosyvoice2.engine_backend import CosyVoice2Backend
 from voicertc.backends.cosyvoice2.loader import CosyVoice2Model
-from voicertc.engine import Cancelled, Done, Failed, FirstAudio
+from voicertc.engine import Cancelled, ChunkSchedule, Done, Failed, FirstAudio
 from voicertc.engine.worker import EngineWorker
 from voicertc.errors import InputError, UnknownVoiceError
 
@@ -229,19 +229,21 @@ def test_voice_registration_persists_and_bad_prompts_are_refused(model, golden_d
 
 
 def test_factory_builds_the_cosyvoice2_engine_from_config(model, tmp_path):
-    from voicertc.config import Config, EngineConfig
+    from voicertc.config import Config, EngineConfig, ScheduleConfig
     from voicertc.engine.factory import create_engine
 
     config = Config(
         engine=EngineConfig(
             backend="cosyvoice2", model_dir=str(model.model_dir), device="auto", voices_dir=str(tmp_path)
-        )
+        ),
+        schedule=ScheduleConfig(first_hop_tokens=13, grid_tokens=25),
     )
     engine = create_engine(config)
     engine.start()  # the backend (model load) is built on the worker thread
     try:
         assert isinstance(engine.backend, CosyVoice2Backend)
         assert engine.voices() == [SFT_VOICE]
+        assert engine.backend.schedule == ChunkSchedule(first_hop_tokens=13, grid_tokens=25)
         assert engine.backend.model.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
         with pytest.raises(UnknownVoiceError):
             engine.resolve_voice("nobody")

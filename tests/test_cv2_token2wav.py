@@ -67,6 +67,20 @@ def test_pushing_all_tokens_gives_the_official_streaming_chunks(model, voice, tt
     assert sum(len(c.pcm) for c in chunks + final) == 480 * 400  # held-back 160 ms flushed at the end
 
 
+def test_a_short_first_hop_on_the_grid_gives_the_same_mel_sooner(model, voice, tts, chunkmask_mel):
+    """first_hop_tokens=5 on the 25-token grid: the 17-token prompt's first chunk ends at token 25, so it
+    needs 8 + 3 tokens instead of the reference's 33 + 3; the whole mel is still the golden one."""
+    schedule = ChunkSchedule(first_hop_tokens=5, grid_tokens=25)
+    stream = model.token2wav_stream(voice, schedule)
+    tokens = tts["in_token"][0].tolist()
+    assert stream.push(tokens[:10]) == []
+    first = stream.push(tokens[10:11])
+    assert len(first) == 1 and first[0].mel.shape[2] == 16
+    chunks = first + stream.push(tokens[11:]) + stream.finish()
+    assert [c.mel.shape[2] for c in chunks] == [16, 100, 200, 84]
+    assert_close(torch.cat([c.mel for c in chunks], dim=2), chunkmask_mel, atol=ATOL, rtol=ATOL)
+
+
 @pytest.fixture(scope="module")
 def whole(model, voice, tts):
     return _all_chunks(model.token2wav_stream(voice, source_fn=_golden_source(tts)), tts["in_token"], 200)

@@ -42,3 +42,30 @@ def test_custom_schedule_and_validation():
         ChunkSchedule(first_hop_tokens=30, max_hop_tokens=20)
     with pytest.raises(AttributeError):
         s.growth = 4  # frozen
+
+
+def test_grid_schedule_with_the_reference_hop_is_the_reference():
+    reference, grid = ChunkSchedule(), ChunkSchedule(grid_tokens=25)
+    for prompt in range(0, 120):
+        assert [grid.chunk_end_tokens(i, prompt) for i in range(5)] == [
+            reference.chunk_end_tokens(i, prompt) for i in range(5)
+        ]
+
+
+def test_short_first_hop_ends_on_the_next_grid_point():
+    """first_hop_tokens=13 on the 25-token grid: the first chunk holds 13..37 new tokens (the reference
+    25..49), ends on the grid, and the later hops are the reference's 50, 100, 100."""
+    s = ChunkSchedule(first_hop_tokens=13, grid_tokens=25)
+    reference = ChunkSchedule()
+    firsts = []
+    for prompt in range(0, 120):
+        ends = [s.chunk_end_tokens(i, prompt) for i in range(4)]
+        assert all((prompt + end) % 25 == 0 for end in ends)
+        assert 13 <= ends[0] <= 37 and ends[0] <= reference.chunk_end_tokens(0, prompt)
+        assert [b - a for a, b in zip(ends[:-1], ends[1:], strict=True)] == [50, 100, 100]
+        firsts.append(ends[0])
+    assert s.chunk_end_tokens(0, 60) == 15 and ChunkSchedule().chunk_end_tokens(0, 60) == 40
+    reference_firsts = [reference.chunk_end_tokens(0, p) for p in range(120)]
+    assert sum(firsts) / len(firsts) < 26 < 36 < sum(reference_firsts) / len(reference_firsts)
+    with pytest.raises(ValueError, match="grid_tokens"):
+        ChunkSchedule(grid_tokens=0)

@@ -78,9 +78,11 @@ class ScheduleConfig:
     growth: int = 2
     max_hop_tokens: int = 100
     lookahead_tokens: int = 3
+    grid_tokens: int = 0
 
     def validate(self) -> None:
         _check(self.first_hop_tokens >= 1, "schedule.first_hop_tokens", "must be >= 1")
+        _check(self.grid_tokens >= 0, "schedule.grid_tokens", "must be >= 0 (0 = the first hop)")
         _check(self.growth >= 1, "schedule.growth", "must be >= 1")
         _check(
             self.max_hop_tokens >= self.first_hop_tokens, "schedule.max_hop_tokens", "must be >= first hop"

@@ -364,5 +364,6 @@ def create_backend(config: Config) -> CosyVoice2Backend:
         growth=s.growth,
         max_hop_tokens=s.max_hop_tokens,
         lookahead_tokens=s.lookahead_tokens,
+        grid_tokens=s.grid_tokens or None,
     )
     return CosyVoice2Backend(model, schedule, engine.voices_dir or None)

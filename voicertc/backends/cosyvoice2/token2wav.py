@@ -169,10 +169,11 @@ class Token2WavStream:
 def check_schedule(schedule: ChunkSchedule, flow: CausalFlow) -> None:
     """The flow can only cache chunks that end on its training grid and see exactly its lookahead."""
     grid, look = flow.cfg.chunk_tokens, flow.cfg.pre_lookahead_tokens
-    if schedule.first_hop_tokens % grid or schedule.max_hop_tokens % grid:
+    if schedule.grid % grid or schedule.max_hop_tokens % grid:
         raise ValueError(
-            f"schedule hops must be multiples of the flow's {grid}-token chunk "
-            f"(first_hop_tokens={schedule.first_hop_tokens}, max_hop_tokens={schedule.max_hop_tokens})"
+            f"the schedule's grid and max hop must be multiples of the flow's {grid}-token chunk "
+            f"(grid={schedule.grid}, max_hop_tokens={schedule.max_hop_tokens}; set grid_tokens = {grid} "
+            f"for a first hop of any length)"
         )
     if schedule.lookahead_tokens != look:
         raise ValueError(f"schedule lookahead_tokens must equal the flow's pre_lookahead_len ({look})")

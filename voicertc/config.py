@@ -36,6 +36,7 @@ class WebRTCConfig:
     interrupt_fade_ms: int = 10
     connect_timeout_s: float = 30.0
     keepalive_timeout_s: float = 10.0
+    trim_leading_silence_ms: int = 100
 
     def validate(self) -> None:
         _check(self.frame_ms in (10, 20), "webrtc.frame_ms", "must be 10 or 20")
@@ -43,6 +44,7 @@ class WebRTCConfig:
         _check(0 <= self.interrupt_fade_ms <= 100, "webrtc.interrupt_fade_ms", "must be 0..100")
         _check(self.connect_timeout_s > 0, "webrtc.connect_timeout_s", "must be > 0")
         _check(self.keepalive_timeout_s > 0, "webrtc.keepalive_timeout_s", "must be > 0")
+        _check(0 <= self.trim_leading_silence_ms <= 1000, "webrtc.trim_leading_silence_ms", "must be 0..1000")
 
 
 BACKENDS = ("piper", "fake", "cosyvoice2")

@@ -2,7 +2,8 @@
 
 The sink does the per-piece CPU work (resample to 48 kHz, float -> int16) on the caller's thread so the
 event loop only copies int16 frames out of the ring. Writes tagged with a generation older than the
-ring's (an interrupt happened since the utterance opened) are dropped, resampler state included.
+ring's (an interrupt happened since the utterance opened) are dropped, resampler state included. An
+utterance's first piece loses its leading near-silence (at most `trim_leading_ms`, see `trim.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 
 from voicertc.audio.resample import StreamingResampler
 from voicertc.audio.ring import PcmRing
+from voicertc.audio.trim import leading_trim_samples
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +35,10 @@ class RingSink:
     read side and calls the space listener. `_streams` is touched by the engine thread only.
     """
 
-    def __init__(self, ring: PcmRing, quality: str = "HQ") -> None:
+    def __init__(self, ring: PcmRing, quality: str = "HQ", trim_leading_ms: float = 0.0) -> None:
         self.ring = ring
         self._quality = quality
+        self.trim_leading_ms = trim_leading_ms
         self._streams: dict[str, _UtteranceStream] = {}
 
     @property
@@ -57,6 +60,11 @@ class RingSink:
         if generation != self.ring.generation:
             self._streams.pop(utterance_id, None)
             return False
+        if utterance_id not in self._streams and self.trim_leading_ms > 0:
+            cut = leading_trim_samples(pcm, int(sample_rate_hz), self.trim_leading_ms)
+            if cut:
+                logger.debug("utterance %s: %d leading near-silent samples cut", utterance_id, cut)
+                pcm = pcm[cut:]
         stream = self._stream_for(utterance_id, int(sample_rate_hz), generation)
         pcm_48k = stream.resampler.process(pcm)
         return self.ring.write(float_to_int16(pcm_48k), utterance_id, generation)

@@ -52,7 +52,7 @@ class Call:
         self.created_s = self.loop.time()
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=ice_servers(config)))
         self.ring = PcmRing(high_water_ms=config.engine.max_queued_ms, margin_ms=RING_MARGIN_MS)
-        self.sink = RingSink(self.ring)
+        self.sink = RingSink(self.ring, trim_leading_ms=config.webrtc.trim_leading_silence_ms)
         self.track = SpeechTrack.from_config(self.ring, config.webrtc, on_playout=self._on_playout)
         self.speech = SpeechQueue(engine, self.sink, self._emit, limits=config.limits, call_id=call_id)
         self.channel: RTCDataChannel | None = None

@@ -21,7 +21,8 @@ Measurement points, all on this process's `time.monotonic()`, t0 just before the
   output starts quietly), the server-side counterpart of bench/browser_latency.py's threshold.
 - `server_ttfa_ms`: the server's own `speech.started` ttfa (from when the utterance could play -> first
   frame).
-Prints a table; writes bench/results/call_latency.json.
+Prints a table; writes bench/results/call_latency_trim<ms>.json (`--trim-ms 0` sends the voice's
+leading near-silence, as before the trim existed).
 """
 
 from __future__ import annotations
@@ -186,10 +187,9 @@ def _row(label: str, runs: int, stats: dict[str, dict[str, float]]) -> dict[str,
     return row
 
 
-async def main(runs: int) -> None:
-    config = config_from_dict(
-        {"server": {"port": 0}, "webrtc": {"loopback_only": True}, "engine": {"backend": "piper"}}
-    )
+async def main(runs: int, trim_ms: int) -> None:
+    webrtc = {"loopback_only": True, "trim_leading_silence_ms": trim_ms}
+    config = config_from_dict({"server": {"port": 0}, "webrtc": webrtc, "engine": {"backend": "piper"}})
     server = VoiceServer(config)
     url = await server.start()
     async with aiohttp.ClientSession() as http:
@@ -209,8 +209,8 @@ async def main(runs: int) -> None:
             print(table(rows, list(rows[0])))  # noqa: T201 - benchmark output
             checks = {"rtp_packets": probe.rtp_packets, "rtp_ts_mismatches": probe.rtp_ts_mismatches}
             print("RTP packets checked:", checks)  # noqa: T201
-            record = {"runs": runs, "loop": _loop_name(), **checks, "results": record}
-            path = write_json("call_latency", record)
+            record = {"runs": runs, "trim_ms": trim_ms, "loop": _loop_name(), **checks, "results": record}
+            path = write_json(f"call_latency_trim{trim_ms}", record)
             print("wrote", path)  # noqa: T201
         finally:
             await peer.close()
@@ -221,16 +221,18 @@ def _loop_name() -> str:
     return type(asyncio.get_running_loop()).__module__
 
 
-def _run(runs: int) -> None:
+def _run(runs: int, trim_ms: int) -> None:
     try:
         import uvloop
     except ImportError:
-        asyncio.run(main(runs))
+        asyncio.run(main(runs, trim_ms))
     else:
-        uvloop.run(main(runs))
+        uvloop.run(main(runs, trim_ms))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=25)
-    _run(parser.parse_args().runs)
+    parser.add_argument("--trim-ms", type=int, default=100, help="webrtc.trim_leading_silence_ms (0 = off)")
+    args = parser.parse_args()
+    _run(args.runs, args.trim_ms)

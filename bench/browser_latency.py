@@ -15,7 +15,7 @@ receives it; the run's time is that of the first buffer holding a sample with |x
 - `audible_sample_ms`: the same, back-dated by the samples after the hit (16 ms at most earlier).
 - `page_ttfa_ms`: the page's own stat (first 256-sample buffer with RMS > 0.01), for comparison.
 - `server_ttfa_ms`: the server's `speech.started` ttfa (Call.speak -> first frame to the sender).
-Prints a table; writes bench/results/browser_latency.json.
+Prints a table; writes bench/results/browser_latency_trim<ms>.json (`--trim-ms 0`: leading silence sent).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import random
 import tempfile
 from typing import Any
 
-from bench.peer import CHROMIUM, CHROMIUM_ARGS, served
+from bench.peer import CHROMIUM, CHROMIUM_ARGS, PIPER_CONFIG_TOML, served
 from bench.report import summary, table, write_json
 
 TEXTS = {
@@ -118,10 +118,11 @@ def _row(label: str, runs: int, stats: dict[str, dict[str, float]]) -> dict[str,
     }
 
 
-async def main(runs: int) -> None:
+async def main(runs: int, trim_ms: int) -> None:
     from playwright.async_api import async_playwright
 
-    with served() as (url, _pid):
+    config = PIPER_CONFIG_TOML.replace("[webrtc]\n", f"[webrtc]\ntrim_leading_silence_ms = {trim_ms}\n")
+    with served(config) as (url, _pid):
         async with async_playwright() as p:
             context = await p.chromium.launch_persistent_context(
                 tempfile.mkdtemp(), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS
@@ -139,11 +140,14 @@ async def main(runs: int) -> None:
             finally:
                 await context.close()
     print(table(rows, list(rows[0])))  # noqa: T201 - benchmark output
-    path = write_json("browser_latency", {"runs": runs, "audible_threshold": AUDIBLE, "results": record})
+    record = {"runs": runs, "trim_ms": trim_ms, "audible_threshold": AUDIBLE, "results": record}
+    path = write_json(f"browser_latency_trim{trim_ms}", record)
     print("wrote", path)  # noqa: T201
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=25)
-    asyncio.run(main(parser.parse_args().runs))
+    parser.add_argument("--trim-ms", type=int, default=100, help="webrtc.trim_leading_silence_ms (0 = off)")
+    args = parser.parse_args()
+    asyncio.run(main(args.runs, args.trim_ms))

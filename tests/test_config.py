@@ -43,6 +43,7 @@ def test_values_are_read_and_typed(tmp_path):
         ("[engine]\nbackend = 'cosyvoice2'\n", "engine.model_dir"),
         ("[schedule]\nmax_hop_tokens = 10\n", "schedule.max_hop_tokens"),
         ("[schedule]\ngrid_tokens = -25\n", "schedule.grid_tokens"),
+        ("[webrtc]\ntrim_leading_silence_ms = -1\n", "webrtc.trim_leading_silence_ms"),
         ("[auth]\ntokens = [1]\n", "auth.tokens"),
         ("[server]\nuse_uvloop = 1\n", "server.use_uvloop"),
     ],

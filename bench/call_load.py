@@ -1,6 +1,6 @@
 """CPU per call and underruns with 1/4/8 calls speaking back to back, bundled Piper voice.
 
-    .venv/bin/python -m bench.call_load [--calls 1 4 8] [--seconds 20]
+    .venv/bin/python -m bench.call_load [--calls 1 4 8] [--seconds 20] [--workers 1]
 
 `voicertc serve` (Piper, loopback-only ICE, uvloop) runs as a child process: the server's CPU is
 measured alone. This process holds the N aiortc client peers (bench/peer.py, they decode what they
@@ -34,7 +34,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.peer import HttpPeer, process_cpu_s, served
+from bench.peer import PIPER_CONFIG_TOML, HttpPeer, process_cpu_s, served
 from bench.report import summary, table, write_json
 from voicertc.webrtc.loopback import patch_aioice_loopback
 
@@ -151,15 +151,17 @@ def _row(result: dict) -> dict[str, object]:
         "underruns (per call)": " ".join(str(c["underrun_frames"]) for c in per_call),
         "frames/call": round(sum(c["frames_sent"] for c in per_call) / len(per_call)),
         "speaking %": 100.0 * min(c["speaking_fraction"] for c in per_call),
+        "first ttfa p50 ms": result["first_ttfa_ms"]["p50"] if result["first_ttfa_ms"] else "",
         "first ttfa max ms": result["first_ttfa_ms"]["max"] if result["first_ttfa_ms"] else "",
         "errors": sum(c["errors"] for c in per_call),
     }
 
 
-async def main(call_counts: list[int], seconds: float, stagger_s: float) -> None:
+async def main(call_counts: list[int], seconds: float, stagger_s: float, workers: int) -> None:
     patch_aioice_loopback()  # the client peers offer 127.0.0.1 like the server does
     results = []
-    with served() as (url, pid):
+    config = PIPER_CONFIG_TOML.replace('backend = "piper"\n', f'backend = "piper"\nworkers = {workers}\n')
+    with served(config) as (url, pid):
         async with aiohttp.ClientSession() as http:
             warm = await run_load(http, url, pid, 1, 3.0)  # load the voice, warm every path
             del warm
@@ -169,7 +171,8 @@ async def main(call_counts: list[int], seconds: float, stagger_s: float) -> None
             if stagger_s > 0:  # the same top load with onsets spread out: steady state vs onset burst
                 results.append(await run_load(http, url, pid, max(call_counts), seconds, stagger_s))
     print(table([_row(r) for r in results], list(_row(results[0]))))  # noqa: T201 - benchmark output
-    path = write_json("call_load", {"seconds": seconds, "results": results})
+    name = "call_load" if workers == 1 else f"call_load_w{workers}"
+    path = write_json(name, {"seconds": seconds, "workers": workers, "results": results})
     print("wrote", path)  # noqa: T201
 
 
@@ -183,5 +186,6 @@ if __name__ == "__main__":
         default=0.25,
         help="extra run at the top load, call i starting i*this later",
     )
+    parser.add_argument("--workers", type=int, default=1, help="engine.workers of the server")
     args = parser.parse_args()
-    asyncio.run(main(args.calls, args.seconds, args.stagger_s))
+    asyncio.run(main(args.calls, args.seconds, args.stagger_s, args.workers))

@@ -41,6 +41,8 @@ def test_values_are_read_and_typed(tmp_path):
         ("[webrtc]\nframe_ms = 40\n", "webrtc.frame_ms"),
         ("[engine]\nbackend = 'espeak'\n", "engine.backend"),
         ("[engine]\nbackend = 'cosyvoice2'\n", "engine.model_dir"),
+        ("[engine]\nworkers = 0\n", "engine.workers"),
+        ("[engine]\nbackend = 'cosyvoice2'\nmodel_dir = 'm'\nworkers = 2\n", "engine.workers"),
         ("[schedule]\nmax_hop_tokens = 10\n", "schedule.max_hop_tokens"),
         ("[schedule]\ngrid_tokens = -25\n", "schedule.grid_tokens"),
         ("[webrtc]\ntrim_leading_silence_ms = -1\n", "webrtc.trim_leading_silence_ms"),

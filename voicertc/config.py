@@ -61,6 +61,7 @@ class EngineConfig:
     max_queued_ms: int = 4000
     piper_threads: int = 1
     first_clause_min_chars: int = 12
+    workers: int = 1
 
     def validate(self) -> None:
         _check(self.backend in BACKENDS, "engine.backend", f"must be one of {', '.join(BACKENDS)}")
@@ -70,8 +71,10 @@ class EngineConfig:
         _check(200 <= self.max_queued_ms <= 120_000, "engine.max_queued_ms", "must be 200..120000")
         _check(1 <= self.piper_threads <= 64, "engine.piper_threads", "must be 1..64")
         _check(0 <= self.first_clause_min_chars <= 200, "engine.first_clause_min_chars", "must be 0..200")
+        _check(1 <= self.workers <= 64, "engine.workers", "must be 1..64")
         if self.backend == "cosyvoice2":
             _check(bool(self.model_dir), "engine.model_dir", "is required for backend cosyvoice2")
+            _check(self.workers == 1, "engine.workers", "must be 1 for cosyvoice2 (one owner of the device)")
 
 
 @dataclass(frozen=True)

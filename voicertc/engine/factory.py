@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from voicertc.config import Config
 from voicertc.engine.backend import Backend
+from voicertc.engine.pool import EnginePool
 from voicertc.engine.worker import EngineWorker
 from voicertc.errors import ConfigError
 
@@ -37,12 +38,20 @@ def backend_factory(config: Config) -> Callable[[], Backend]:
     return lambda: create_backend(config)  # type: ignore[return-value]
 
 
-def create_engine(config: Config) -> EngineWorker:
-    """An EngineWorker for the configured backend (not started; `start()` builds and waits for it)."""
-    return EngineWorker(
-        backend_factory=backend_factory(config),
-        name=config.engine.backend,
-        default_voice=config.engine.default_voice,
-        max_text_chars=config.limits.max_text_chars,
-        max_utterances=config.limits.max_utterances,
-    )
+def create_engine(config: Config) -> EngineWorker | EnginePool:
+    """An EngineWorker for the configured backend, or a pool of `engine.workers` of them (not
+    started; `start()` builds the backends, each on its own worker thread, and waits for them)."""
+    build = backend_factory(config)
+    workers = [
+        EngineWorker(
+            backend_factory=build,
+            name=config.engine.backend if config.engine.workers == 1 else f"{config.engine.backend}-{i}",
+            default_voice=config.engine.default_voice,
+            max_text_chars=config.limits.max_text_chars,
+            max_utterances=config.limits.max_utterances,
+        )
+        for i in range(config.engine.workers)
+    ]
+    if len(workers) == 1:
+        return workers[0]
+    return EnginePool(workers, max_utterances=config.limits.max_utterances)

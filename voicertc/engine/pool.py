@@ -1,0 +1,123 @@
+"""EnginePool: several engine workers, each owning its own backend, behind the one `Engine` seam.
+
+Why: a CPU voice (Piper: onnxruntime with one intra-op thread) synthesizes one piece at a time per
+worker, so when many calls start speaking together the last one waits for every first clause before
+its own. N workers on N cores serve N at once (`engine.workers`; the GPU backend keeps one worker,
+the single owner of its device).
+
+Routing: while a sink (a call's ring) has an open utterance, its next ones go to the same worker, so
+they stay in order on the ring and one worker is its space listener; a sink with none open goes to
+the least busy worker (ties in turn). Every utterance id routes to its worker until its terminal
+event. The open-utterance limit is the pool's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+
+from voicertc.engine.protocol import AudioSink, Cancelled, Done, EngineEvent, EventCallback, Failed
+from voicertc.engine.worker import EngineWorker
+from voicertc.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+
+class EnginePool:
+    """Implements `voicertc.engine.protocol.Engine` over `workers` (each with its own backend)."""
+
+    def __init__(self, workers: list[EngineWorker], max_utterances: int = 64) -> None:
+        if not workers:
+            raise ValueError("an engine pool needs at least one worker")
+        self.workers = workers
+        self.name = workers[0].name
+        self.max_utterances = max_utterances
+        self._lock = threading.Lock()
+        self._routes: dict[str, tuple[int, int]] = {}  # open utterance id -> (worker index, id(sink))
+        self._next = 0  # where the tie-break between equally busy workers starts
+
+    def start(self) -> None:
+        """Start every worker (each builds its backend on its own thread); all or none."""
+        started: list[EngineWorker] = []
+        try:
+            for worker in self.workers:
+                worker.start()
+                started.append(worker)
+        except BaseException:
+            for worker in started:
+                worker.stop()
+            raise
+        logger.info("engine pool %s started with %d workers", self.name, len(self.workers))
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        for worker in self.workers:
+            worker.stop(timeout_s)
+
+    def voices(self) -> list[str]:
+        return self.workers[0].voices()
+
+    def resolve_voice(self, voice: str | None) -> str:
+        return self.workers[0].resolve_voice(voice)
+
+    def open_utterance(
+        self, voice: str | None, sink: AudioSink, on_event: EventCallback, utterance_id: str | None = None
+    ) -> str:
+        uid = utterance_id or uuid.uuid4().hex[:12]
+
+        def routed(event: EngineEvent) -> None:
+            if isinstance(event, Done | Cancelled | Failed):
+                with self._lock:
+                    self._routes.pop(uid, None)
+            on_event(event)
+
+        with self._lock:
+            if len(self._routes) >= self.max_utterances:
+                raise InputError(f"too many open utterances (limit {self.max_utterances})")
+            index = self._worker_for(sink)
+            self._routes[uid] = (index, id(sink))
+        worker = self.workers[index]
+        try:
+            return worker.open_utterance(voice, sink, routed, uid)
+        except BaseException:
+            with self._lock:
+                self._routes.pop(uid, None)
+            raise
+
+    def push_text(self, utterance_id: str, text: str) -> None:
+        if (worker := self._route(utterance_id)) is not None:
+            worker.push_text(utterance_id, text)
+
+    def end_input(self, utterance_id: str) -> None:
+        if (worker := self._route(utterance_id)) is not None:
+            worker.end_input(utterance_id)
+
+    def cancel(self, utterance_id: str) -> None:
+        if (worker := self._route(utterance_id)) is not None:
+            worker.cancel(utterance_id)
+
+    def say(self, voice: str | None, sink: AudioSink, on_event: EventCallback, text: str) -> str:
+        uid = self.open_utterance(voice, sink, on_event)
+        self.push_text(uid, text)
+        self.end_input(uid)
+        return uid
+
+    # ----------------------------------------------------------------------------------- internals
+    def _route(self, utterance_id: str) -> EngineWorker | None:
+        """The worker of an open utterance; None once it has ended (late commands are no-ops)."""
+        with self._lock:
+            route = self._routes.get(utterance_id)
+        return None if route is None else self.workers[route[0]]
+
+    def _worker_for(self, sink: AudioSink) -> int:
+        """The worker already serving the sink, else the one with the fewest open utterances (under
+        `_lock`; the sink is alive while it has a route, so its id is not reused meanwhile)."""
+        busy = [0] * len(self.workers)
+        for index, sink_id in self._routes.values():
+            if sink_id == id(sink):
+                return index
+            busy[index] += 1
+        count = len(self.workers)
+        index = min(range(count), key=lambda i: (busy[i], (i - self._next) % count))
+        self._next = (index + 1) % count
+        return index

@@ -1,0 +1,171 @@
+"""CosyVoice2 engine under load: N utterances start at once; TTFA p50/p95, RTF and playback underruns.
+
+    .venv/bin/python -m bench.cv2_load --device cuda --dtype float16 [--concurrency 1 8 32]
+    .venv/bin/python -m bench.make_tiny_model_dir .models/cv2_tiny \\
+        && .venv/bin/python -m bench.cv2_load --model-dir .models/cv2_tiny --concurrency 1 4   # CPU smoke
+
+The real engine (`EngineWorker` + `CosyVoice2Backend`: LLM, batched flow, HiFT) writes each utterance
+through a `RingSink` into its own `PcmRing`, as a call does. One playout thread reads every ring 20 ms at
+a time on an absolute schedule, as `SpeechTrack` does. From an utterance's first sample until its end
+mark, a read that finds less than 20 ms queued counts one underrun frame.
+
+Per level it reports TTFA (the engine's `FirstAudio.ttfa_ms`) p50/p95/max, RTF p50/max (`Done.metrics`),
+underrun frames (total, and how many utterances had any), and the wall time. The voice is the model's
+first sft voice, or a random zero-shot voice with a 3 s prompt. Utterance length is capped by
+`--max-tokens` speech tokens (random weights rarely stop by themselves).
+Prints a table; writes bench/results/cv2_load_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from bench.make_full_model_dir import DEFAULT_OUT, make_full_model_dir
+from bench.report import summary, table, write_json
+from voicertc.audio import PcmRing, RingSink
+from voicertc.backends.cosyvoice2.engine_backend import DTYPES, BackendOptions, CosyVoice2Backend
+from voicertc.backends.cosyvoice2.loader import CosyVoice2Model, load
+from voicertc.engine import Done, EngineEvent, Failed, FirstAudio
+from voicertc.engine.worker import EngineWorker
+
+TEXT = "The quick brown fox jumps over the lazy dog, while the band plays on the square tonight."
+TRANSCRIPT = "Hello world, this is a voice prompt for the load benchmark."
+FRAME_SAMPLES = 960  # 20 ms at 48 kHz
+
+
+@dataclass
+class Playout:
+    """One utterance's ring as a call would play it; touched by the playout thread only (and `done`
+    by the engine thread)."""
+
+    ring: PcmRing
+    started: bool = False
+    ended: bool = False
+    underrun_frames: int = 0
+    events: list[EngineEvent] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def on_event(self, event: EngineEvent) -> None:
+        self.events.append(event)
+        if isinstance(event, Done | Failed):
+            self.done.set()
+
+    def play_frame(self) -> None:
+        read = self.ring.read(FRAME_SAMPLES)
+        if self.ended:
+            return
+        self.started = self.started or len(read.pcm) > 0
+        self.ended = any(span.ended for span in read.spans)
+        if self.started and not self.ended and len(read.pcm) < FRAME_SAMPLES:
+            self.underrun_frames += 1
+
+
+def play(streams: list[Playout], stop: threading.Event) -> None:
+    """Read every ring every 20 ms on an absolute schedule until `stop`."""
+    next_s = time.monotonic()
+    while not stop.is_set():
+        for stream in streams:
+            stream.play_frame()
+        next_s += FRAME_SAMPLES / 48000
+        stop.wait(max(0.0, next_s - time.monotonic()))
+
+
+def pick_voice(backend: CosyVoice2Backend, model: CosyVoice2Model) -> str:
+    if backend.voices():
+        return backend.voices()[0]
+    gen = torch.Generator().manual_seed(11)
+    voice = model.voice_from_features(
+        torch.randint(0, model.flow.cfg.vocab_size, (1, 75), generator=gen),
+        torch.randn(1, 150, 80, generator=gen) - 3.0,
+        torch.randn(1, 192, generator=gen),
+        model.text_frontend.encode(TRANSCRIPT),
+        voice_id="bench",
+    )
+    return backend.add_voice(voice, persist=False)
+
+
+def run_level(engine: EngineWorker, voice: str, concurrency: int, timeout_s: float) -> dict[str, object]:
+    streams = [Playout(PcmRing(high_water_ms=4000.0, margin_ms=500.0)) for _ in range(concurrency)]
+    stop = threading.Event()
+    player = threading.Thread(target=play, args=(streams, stop), daemon=True)
+    player.start()
+    started = time.monotonic()
+    for stream in streams:
+        engine.say(voice, RingSink(stream.ring), stream.on_event, TEXT)
+    finished = all(stream.done.wait(max(0.0, started + timeout_s - time.monotonic())) for stream in streams)
+    wall_s = time.monotonic() - started
+    while not all(s.ended or not s.started for s in streams) and time.monotonic() < started + timeout_s:
+        time.sleep(0.05)  # let playback reach every end mark
+    stop.set()
+    player.join()
+    ttfa = [e.ttfa_ms for s in streams for e in s.events if isinstance(e, FirstAudio)]
+    rtf = [e.metrics.get("rtf", float("nan")) for s in streams for e in s.events if isinstance(e, Done)]
+    failed = [e.message for s in streams for e in s.events if isinstance(e, Failed)]
+    underruns = [s.underrun_frames for s in streams]
+    return {
+        "concurrency": concurrency,
+        "finished": finished,
+        "failed": failed,
+        "wall_s": wall_s,
+        "ttfa_ms": summary(ttfa) if ttfa else None,
+        "rtf": summary(rtf) if rtf else None,
+        "underrun_frames": underruns,
+    }
+
+
+def _row(result: dict) -> dict[str, object]:
+    ttfa, rtf, underruns = result["ttfa_ms"] or {}, result["rtf"] or {}, result["underrun_frames"]
+    return {
+        "utterances": result["concurrency"],
+        "ttfa p50 ms": ttfa.get("p50", ""),
+        "ttfa p95 ms": ttfa.get("p95", ""),
+        "ttfa max ms": ttfa.get("max", ""),
+        "rtf p50": rtf.get("p50", ""),
+        "rtf max": rtf.get("max", ""),
+        "underrun frames": sum(underruns),
+        "utterances with underruns": sum(1 for u in underruns if u),
+        "failed": len(result["failed"]),
+        "wall s": result["wall_s"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-dir", default=str(DEFAULT_OUT))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--max-tokens", type=int, default=250, help="speech tokens per utterance at most")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--timeout-s", type=float, default=600.0)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.model_dir == str(DEFAULT_OUT):
+        make_full_model_dir(DEFAULT_OUT)
+    model = load(args.model_dir, args.device, DTYPES[args.dtype] if args.device != "cpu" else torch.float32)
+    options = BackendOptions(seed=5, max_segment_tokens=args.max_tokens, max_batch=max(args.concurrency))
+    backend = CosyVoice2Backend(model, options=options)
+    voice = pick_voice(backend, model)
+    engine = EngineWorker(backend, default_voice=voice, max_utterances=max(args.concurrency) + 1)
+    engine.start()
+    try:
+        run_level(engine, voice, 1, args.timeout_s)  # warm-up: kernels, allocator, caches
+        results = [run_level(engine, voice, n, args.timeout_s) for n in args.concurrency]
+    finally:
+        engine.stop()
+    print(table([_row(r) for r in results], list(_row(results[0]))))  # noqa: T201 - benchmark output
+    record = {"args": vars(args), "device_name": _device_name(args.device), "results": results}
+    print("wrote", write_json(f"cv2_load_{args.device.split(':')[0]}", record))  # noqa: T201
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+
+
+if __name__ == "__main__":
+    main()

@@ -47,3 +47,27 @@ def tiny_model_dir(tmp_path_factory, golden_dir) -> Path:
         capture_output=True,
     )
     return out
+
+
+# --- the tiny flow and its golden records (tests/test_cv2_flow*.py) ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def flow(tiny_model_dir):
+    from voicertc.backends.cosyvoice2.flow import CausalFlow
+
+    return CausalFlow.from_model_dir(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def golden(golden_dir):
+    from safetensors.torch import load_file
+
+    return load_file(golden_dir / "flow_nonstream.safetensors")
+
+
+@pytest.fixture(scope="module")
+def tts_golden(golden_dir):
+    from safetensors.torch import load_file
+
+    return load_file(golden_dir / "cv2_tts_tiny_flow_tiny_hift.safetensors")

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from torch.testing import assert_close
 
 from voicertc.backends.cosyvoice2.flow import CausalFlow, load_flow_state_dict
@@ -23,21 +22,6 @@ RTOL = 1e-4
 @pytest.fixture(scope="module", autouse=True)
 def _threads():
     torch.set_num_threads(2)
-
-
-@pytest.fixture(scope="module")
-def flow(tiny_model_dir) -> CausalFlow:
-    return CausalFlow.from_model_dir(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def golden(golden_dir) -> dict[str, torch.Tensor]:
-    return load_file(golden_dir / "flow_nonstream.safetensors")
-
-
-@pytest.fixture(scope="module")
-def tts_golden(golden_dir) -> dict[str, torch.Tensor]:
-    return load_file(golden_dir / "cv2_tts_tiny_flow_tiny_hift.safetensors")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from torch.testing import assert_close
 
 from voicertc.backends.cosyvoice2 import flow as flow_module
@@ -23,21 +22,6 @@ GRID = 25
 @pytest.fixture(scope="module", autouse=True)
 def _threads():
     torch.set_num_threads(2)
-
-
-@pytest.fixture(scope="module")
-def flow(tiny_model_dir) -> CausalFlow:
-    return CausalFlow.from_model_dir(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def golden(golden_dir) -> dict[str, torch.Tensor]:
-    return load_file(golden_dir / "flow_nonstream.safetensors")
-
-
-@pytest.fixture(scope="module")
-def tts_golden(golden_dir) -> dict[str, torch.Tensor]:
-    return load_file(golden_dir / "cv2_tts_tiny_flow_tiny_hift.safetensors")
 
 
 def _stream(

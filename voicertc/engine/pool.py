@@ -8,7 +8,11 @@ the single owner of its device).
 Routing: while a sink (a call's ring) has an open utterance, its next ones go to the same worker, so
 they stay in order on the ring and one worker is its space listener; a sink with none open goes to
 the least busy worker (ties in turn). Every utterance id routes to its worker until its terminal
-event. The open-utterance limit is the pool's.
+event. The open-utterance limit is the pool's; `open_count` drops at `cancel()` time.
+
+Commands: `submit_command(fn)` runs `fn(backend)` on the first worker's engine thread (one answer, e.g. a
+query); `broadcast_command(fn)` runs it on every worker (state every backend must hold, e.g. a newly
+registered voice) and returns one future per worker.
 """
 
 from __future__ import annotations
@@ -16,12 +20,18 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
 
+from voicertc.engine.backend import Backend
 from voicertc.engine.protocol import AudioSink, Cancelled, Done, EngineEvent, EventCallback, Failed
 from voicertc.engine.worker import EngineWorker
 from voicertc.errors import InputError
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class EnginePool:
@@ -35,6 +45,7 @@ class EnginePool:
         self.max_utterances = max_utterances
         self._lock = threading.Lock()
         self._routes: dict[str, tuple[int, int]] = {}  # open utterance id -> (worker index, id(sink))
+        self._counted: set[str] = set()  # open and not cancelled: what the limit counts
         self._next = 0  # where the tie-break between equally busy workers starts
 
     def start(self) -> None:
@@ -69,19 +80,22 @@ class EnginePool:
             if isinstance(event, Done | Cancelled | Failed):
                 with self._lock:
                     self._routes.pop(uid, None)
+                    self._counted.discard(uid)
             on_event(event)
 
         with self._lock:
-            if len(self._routes) >= self.max_utterances:
+            if len(self._counted) >= self.max_utterances:
                 raise InputError(f"too many open utterances (limit {self.max_utterances})")
             index = self._worker_for(sink)
             self._routes[uid] = (index, id(sink))
+            self._counted.add(uid)
         worker = self.workers[index]
         try:
             return worker.open_utterance(voice, sink, routed, uid)
         except BaseException:
             with self._lock:
                 self._routes.pop(uid, None)
+                self._counted.discard(uid)
             raise
 
     def push_text(self, utterance_id: str, text: str) -> None:
@@ -93,8 +107,24 @@ class EnginePool:
             worker.end_input(utterance_id)
 
     def cancel(self, utterance_id: str) -> None:
+        with self._lock:
+            self._counted.discard(utterance_id)
         if (worker := self._route(utterance_id)) is not None:
             worker.cancel(utterance_id)
+
+    @property
+    def open_count(self) -> int:
+        """Open utterances over all workers (thread-safe); drops at `cancel()` time."""
+        with self._lock:
+            return len(self._counted)
+
+    def submit_command(self, fn: Callable[[Backend], T]) -> Future[T]:
+        """Run `fn(backend)` on the first worker's engine thread (see the module docstring)."""
+        return self.workers[0].submit_command(fn)
+
+    def broadcast_command(self, fn: Callable[[Backend], T]) -> list[Future[T]]:
+        """Run `fn(backend)` on every worker's engine thread; one future per worker, in worker order."""
+        return [worker.submit_command(fn) for worker in self.workers]
 
     def say(self, voice: str | None, sink: AudioSink, on_event: EventCallback, text: str) -> str:
         uid = self.open_utterance(voice, sink, on_event)

@@ -11,8 +11,9 @@ Threads: `Engine` methods are safe to call from any thread (they enqueue a comma
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -89,7 +90,15 @@ class Stop:
     pass
 
 
-Command = OpenUtterance | PushText | EndInput | Cancel | Wake | Stop
+@dataclass(frozen=True)
+class RunCommand:
+    """Run `fn(backend)` on the engine thread between steps; its result or exception goes to `future`."""
+
+    fn: Callable[[Any], Any]
+    future: Future[Any]
+
+
+Command = OpenUtterance | PushText | EndInput | Cancel | Wake | Stop | RunCommand
 
 
 # --- the sink the engine writes into --------------------------------------------------------------
@@ -145,6 +154,16 @@ class Engine(Protocol):
     def stop(self) -> None: ...
 
     def voices(self) -> list[str]: ...
+
+    @property
+    def open_count(self) -> int:
+        """Utterances opened and not yet ended; drops the moment `cancel()` is called (thread-safe)."""
+        ...
+
+    @property
+    def max_utterances(self) -> int:
+        """The open-utterance limit: `open_utterance` raises InputError once `open_count` reaches it."""
+        ...
 
     def open_utterance(
         self, voice: str | None, sink: AudioSink, on_event: EventCallback, utterance_id: str | None = None

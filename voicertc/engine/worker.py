@@ -14,6 +14,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 from voicertc.engine.backend import Backend, SynthStep
 from voicertc.engine.protocol import (
@@ -29,6 +31,7 @@ from voicertc.engine.protocol import (
     FirstAudio,
     OpenUtterance,
     PushText,
+    RunCommand,
     Stop,
     Wake,
 )
@@ -37,6 +40,8 @@ from voicertc.engine.utterance import Utterance
 from voicertc.errors import EngineStoppedError, InputError, UnknownVoiceError, VoiceRTCError
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 PIECE_MS = 100  # audio is written to sinks in pieces of at most this, so backpressure is fine-grained
 
@@ -70,7 +75,7 @@ class EngineWorker:
         self.clock = clock
         self._queue: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._utterances: dict[str, Utterance] = {}  # worker thread only
-        self._open_count = 0
+        self._open_ids: set[str] = set()  # opened and neither ended nor cancelled (under _count_lock)
         self._count_lock = threading.Lock()
         self._lifecycle_lock = threading.Lock()  # orders OpenUtterance before Stop in the queue
         self._accepting = False
@@ -138,9 +143,11 @@ class EngineWorker:
             if not self._accepting:
                 raise EngineStoppedError(f"engine {self.name} is not running")
             with self._count_lock:
-                if self._open_count >= self.max_utterances:
+                if len(self._open_ids) >= self.max_utterances:
                     raise InputError(f"too many open utterances (limit {self.max_utterances})")
-                self._open_count += 1
+                if uid in self._open_ids:
+                    raise InputError(f"utterance id {uid!r} is already open")
+                self._open_ids.add(uid)
             self._queue.put(OpenUtterance(uid, resolved, sink, on_event, sink.generation))
         return uid
 
@@ -151,7 +158,38 @@ class EngineWorker:
         self._queue.put(EndInput(utterance_id))
 
     def cancel(self, utterance_id: str) -> None:
+        """Queue the cancel; the utterance stops counting against the limit now, not when it is applied."""
+        self._uncount(utterance_id)
         self._queue.put(Cancel(utterance_id))
+
+    @property
+    def open_count(self) -> int:
+        """Open utterances (thread-safe): drops at `cancel()` time and at each terminal event."""
+        with self._count_lock:
+            return len(self._open_ids)
+
+    @property
+    def _open_count(self) -> int:  # the name older tests read
+        return self.open_count
+
+    def _uncount(self, utterance_id: str) -> None:
+        with self._count_lock:
+            self._open_ids.discard(utterance_id)
+
+    def submit_command(self, fn: Callable[[Backend], T]) -> Future[T]:
+        """Run `fn(backend)` on the engine thread between steps; the future gets its result or error.
+
+        For work that must own the backend's device and caches (voice registration, warm-up, a model
+        swap). Commands run in submission order with the other commands; EngineStoppedError if the
+        engine is not running (or stops before the command runs).
+        """
+        future: Future[T] = Future()
+        with self._lifecycle_lock:
+            if self._thread is None or not self._thread.is_alive():
+                future.set_exception(EngineStoppedError(f"engine {self.name} is not running"))
+                return future
+            self._queue.put(RunCommand(fn, future))
+        return future
 
     def wake(self) -> None:
         self._queue.put(Wake())
@@ -174,7 +212,9 @@ class EngineWorker:
                 heads = self._runnable_heads()
                 if heads:
                     running = self._drain(block=False)
-                    if running:
+                    # the drain may have ended some of them (a cancel): never step a released one
+                    heads = [u for u in heads if self._utterances.get(u.utterance_id) is u]
+                    if running and heads:
                         self._step(pick_next(heads))
                 else:
                     running = self._drain(block=True, timeout_s=self._idle_timeout_s())
@@ -236,6 +276,9 @@ class EngineWorker:
         if isinstance(command, OpenUtterance):
             self._open(command)
             return
+        if isinstance(command, RunCommand):
+            self._run_command(command)
+            return
         if isinstance(command, Wake):
             return
         utt = self._utterances.get(command.utterance_id)
@@ -249,6 +292,16 @@ class EngineWorker:
                 self._fail(utt, InputError("empty text: nothing to speak"))
         elif isinstance(command, Cancel):
             self._finish(utt, Cancelled(utt.utterance_id))
+
+    def _run_command(self, command: RunCommand) -> None:
+        if not command.future.set_running_or_notify_cancel():
+            return
+        try:
+            result: Any = command.fn(self.backend)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+            command.future.set_exception(exc)
+        else:
+            command.future.set_result(result)
 
     def _open(self, command: OpenUtterance) -> None:
         utt = Utterance(
@@ -357,8 +410,7 @@ class EngineWorker:
             self.backend.release(utt)
         except Exception:
             logger.exception("utterance %s: backend release failed", utt.utterance_id)
-        with self._count_lock:
-            self._open_count -= 1
+        self._uncount(utt.utterance_id)
         self.stats[{Done: "done", Cancelled: "cancelled", Failed: "failed"}[type(event)]] += 1
         self._emit(utt, event)
 
@@ -375,9 +427,10 @@ class EngineWorker:
                 command = self._queue.get_nowait()
             except queue.Empty:
                 break
+            if isinstance(command, RunCommand) and command.future.set_running_or_notify_cancel():
+                command.future.set_exception(EngineStoppedError(f"engine {self.name} stopped"))
             if isinstance(command, OpenUtterance):
-                with self._count_lock:
-                    self._open_count -= 1
+                self._uncount(command.utterance_id)
                 self.stats["cancelled"] += 1
                 try:
                     command.on_event(Cancelled(command.utterance_id))

@@ -15,6 +15,7 @@ import logging
 import time
 import zlib
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,10 +31,11 @@ from voicertc.backends.cosyvoice2.text import text_normalize
 from voicertc.backends.cosyvoice2.token2wav import Chunk, ChunkPlan, Token2WavStream
 from voicertc.backends.cosyvoice2.voices import Voice, VoiceBook, VoiceStore
 from voicertc.config import Config
-from voicertc.engine.backend import SynthStep
+from voicertc.engine.backend import Backend, SynthStep
 from voicertc.engine.schedule import ChunkSchedule
 from voicertc.engine.text_chunks import has_speech
 from voicertc.engine.utterance import Utterance
+from voicertc.errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -86,13 +88,18 @@ class CosyVoice2Backend:
         self.stats = {"chunks": 0, "batches": 0, "batched_chunks": 0, "batch_fallbacks": 0}
         text_normalize("warm up.", lambda s: [0] * len(s))  # loads the normaliser grammars now, not later
 
-    # ---- voices (any thread) ------------------------------------------------------------------
+    # ---- voices -------------------------------------------------------------------------------
 
     def voices(self) -> list[str]:
+        """Any thread (a snapshot)."""
         return self.book.ids()
 
     def register_voice(self, wav_path: str | Path, transcript: str, voice_id: str | None = None) -> str:
-        """Zero-shot voice from a prompt recording; persisted in the voices directory."""
+        """Zero-shot voice from a prompt recording; persisted in the voices directory.
+
+        Runs model code (speech tokenizer, speaker embedding, flow prompt state, LLM prefix cache): call it
+        on the engine thread, i.e. through `engine.submit_command(register_voice_command(...))`.
+        """
         return self.book.register_wav(wav_path, transcript, voice_id).voice_id
 
     def add_voice(self, voice: Voice, persist: bool = True) -> str:
@@ -350,6 +357,20 @@ class CosyVoice2Backend:
         utt.add_metric("vocoder_s", chunk.vocoder_s)
         self.stats["chunks"] += 1
         return chunk
+
+
+def register_voice_command(
+    wav_path: str | Path, transcript: str, voice_id: str | None = None
+) -> Callable[[Backend], str]:
+    """An engine command (`EngineWorker.submit_command`) registering a zero-shot voice on the engine
+    thread, between steps; the future gets the voice id (or InputError for a bad prompt)."""
+
+    def register(backend: Backend) -> str:
+        if not isinstance(backend, CosyVoice2Backend):
+            raise InputError(f"the {backend.name} engine cannot register voices")
+        return backend.register_voice(wav_path, transcript, voice_id)
+
+    return register
 
 
 def create_backend(config: Config) -> CosyVoice2Backend:

@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="TCP port (server.port); 0 picks a free one")
     serve.add_argument("--engine", choices=BACKENDS, help="engine backend (engine.backend)")
     serve.add_argument("--model-dir", help="CosyVoice2 model directory (engine.model_dir)")
+    from voicertc.export.cli import add_commands
+
+    add_commands(commands)
     return parser
 
 
@@ -85,6 +88,10 @@ def _run(config: Config) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("export", "doctor"):
+        from voicertc.export.cli import run
+
+        return run(args)
     try:
         config = resolve_config(args)
     except VoiceRTCError as exc:

@@ -179,6 +179,19 @@ def _load_sft_voices(path: Path) -> dict[str, dict[str, Tensor]]:
     return {str(k): dict(v) for k, v in raw.items()}
 
 
+def load_llm(
+    model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> Qwen2LM:
+    """Only the speech LLM of an official-layout CosyVoice2 directory (exports, benchmarks)."""
+    model_dir = Path(model_dir)
+    yaml_path = _check_directory(model_dir)
+    blanken = model_dir / BLANKEN_DIR
+    config = load_yaml(yaml_path, overrides={"qwen_pretrain_path": str(blanken)})
+    _check_tags(config, yaml_path)
+    llm_cfg = LlmConfig.from_yaml(config["llm"], _required(blanken / "config.json"))
+    return build_llm(llm_cfg, _load_weights(model_dir / "llm.pt"), str(model_dir / "llm.pt"), device, dtype)
+
+
 def load(
     model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> CosyVoice2Model:

@@ -1,0 +1,186 @@
+"""`[engine] llm = "vllm"`: the speech LLM served by vLLM, tokens streamed to the engine worker.
+
+NEVER RUN ON A GPU YET (no GPU in the sessions that wrote it); its CPU-proven parts are the exported
+model (`voicertc export vllm`, transformers parity test) and RAS as a distribution (`ras_logits`).
+
+- The model directory is exported once (`voicertc export vllm MODEL_DIR OUT`); the runner loads OUT with
+  `skip_tokenizer_init` and `enable_prompt_embeds` (the architecture is registered by our plugin entry
+  point, `voicertc.export.vllm_plugin`).
+- A prompt is passed as embeddings ([sos, text, task_id, prompt speech], from our `Qwen2LM.lm_input`).
+- RAS runs as a V1 logits processor (`RasLogitsProcessor`): it replaces each row's logits by the log of
+  RAS's distribution, so vLLM's plain sampling (temperature 1, no top-k/top-p) draws as RAS does, and
+  bans eos below the minimum length as the reference does (only 6561).
+- One driver thread owns the vLLM engine: it waits on a condition while idle (no polling), steps while
+  requests run, and hands every new token (None = finished) to the request's `sink`, which puts it on the
+  engine worker's queue; the worker never waits on vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from voicertc.backends.cosyvoice2.sampling import SamplingParams
+from voicertc.export.ras_logits import ras_logits
+
+logger = logging.getLogger(__name__)
+
+STOP_TOKEN_IDS = (6561, 6562, 6563)
+TokenSink = Callable[[int | None], None]
+
+
+class RasLogitsProcessor:
+    """vLLM V1 logits processor (duck-typed against `vllm.v1.sample.logits_processor.LogitsProcessor`)."""
+
+    def __init__(self, vllm_config: Any = None, device: Any = None, is_pin_memory: bool = False) -> None:
+        self.params = SamplingParams()
+        self.rows: dict[int, tuple[list[int], int]] = {}  # batch index -> (output ids, min_len)
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: Any) -> None:
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            self.rows.pop(index, None)
+        for added in batch_update.added:
+            index, params, output_ids = added[0], added[1], added[-1]
+            extra = getattr(params, "extra_args", None) or {}
+            if extra.get("ras"):
+                self.rows[index] = (output_ids, int(extra.get("min_len", 0)))
+            else:
+                self.rows.pop(index, None)
+        for source, target, direction in batch_update.moved:
+            moved = self.rows.pop(source, None)
+            swap = "SWAP" in str(direction)
+            other = self.rows.pop(target, None) if swap else None
+            if moved is not None:
+                self.rows[target] = moved
+            if other is not None:
+                self.rows[source] = other
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for index, (output_ids, min_len) in self.rows.items():
+            if index < logits.shape[0]:
+                row = ras_logits(logits[index], output_ids, self.params, len(output_ids) < min_len)
+                logits[index] = row.to(logits.dtype)
+        return logits
+
+
+@dataclass
+class _Request:
+    sink: TokenSink
+    sent: int = 0
+
+
+@dataclass
+class VllmSpeechLlm:
+    """Owns a vLLM engine on a driver thread; `submit` starts an utterance, `cancel` ends it."""
+
+    model_path: str
+    gpu_memory_utilization: float = 0.2
+    dtype: str = "bfloat16"
+    _engine: Any = field(default=None, init=False, repr=False)
+    _requests: dict[str, _Request] = field(default_factory=dict, init=False, repr=False)
+    _pending: list[tuple[str, Any, Any]] = field(default_factory=list, init=False, repr=False)
+    _cancelled: list[str] = field(default_factory=list, init=False, repr=False)
+    _wake: threading.Condition = field(default_factory=threading.Condition, init=False, repr=False)
+    _thread: threading.Thread | None = field(default=None, init=False, repr=False)
+    _stopping: bool = field(default=False, init=False, repr=False)
+
+    def start(self) -> None:
+        from vllm import EngineArgs, LLMEngine
+
+        from voicertc.export.vllm_plugin import register
+
+        register()
+        args = EngineArgs(
+            model=self.model_path,
+            skip_tokenizer_init=True,
+            enable_prompt_embeds=True,
+            dtype=self.dtype,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            logits_processors=[RasLogitsProcessor],
+        )
+        self._engine = LLMEngine.from_engine_args(args)
+        self._thread = threading.Thread(target=self._drive, name="vllm-driver", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self, request_id: str, prompt_embeds: torch.Tensor, min_len: int, max_len: int, sink: TokenSink
+    ) -> None:
+        """Queue an utterance: `prompt_embeds` [T, H] (our `lm_input` without the batch dim)."""
+        from vllm import SamplingParams as VllmSamplingParams
+
+        params = VllmSamplingParams(
+            temperature=1.0,
+            top_k=-1,
+            top_p=1.0,
+            max_tokens=max_len,
+            stop_token_ids=list(STOP_TOKEN_IDS),
+            detokenize=False,
+            extra_args={"ras": True, "min_len": min_len},
+        )
+        prompt = {
+            "prompt_embeds": prompt_embeds.to(
+                torch.bfloat16 if self.dtype == "bfloat16" else prompt_embeds.dtype
+            )
+        }
+        with self._wake:
+            self._requests[request_id] = _Request(sink)
+            self._pending.append((request_id, prompt, params))
+            self._wake.notify()
+
+    def cancel(self, request_id: str) -> None:
+        with self._wake:
+            self._cancelled.append(request_id)
+            self._wake.notify()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # ---- driver thread ----------------------------------------------------------------------------
+
+    def _drive(self) -> None:
+        engine = self._engine
+        while True:
+            with self._wake:
+                while not (
+                    self._stopping or self._pending or self._cancelled or engine.has_unfinished_requests()
+                ):
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                pending, self._pending = self._pending, []
+                cancelled, self._cancelled = self._cancelled, []
+            for request_id, prompt, params in pending:
+                engine.add_request(request_id, prompt, params)
+            if cancelled:
+                engine.abort_request(cancelled)
+                for request_id in cancelled:
+                    self._requests.pop(request_id, None)
+            for output in engine.step():
+                self._deliver(output)
+
+    def _deliver(self, output: Any) -> None:
+        request = self._requests.get(output.request_id)
+        if request is None:
+            return
+        tokens = list(output.outputs[0].token_ids)
+        for token in tokens[request.sent :]:
+            if token not in STOP_TOKEN_IDS:
+                request.sink(int(token))
+        request.sent = len(tokens)
+        if output.finished:
+            self._requests.pop(output.request_id, None)
+            request.sink(None)

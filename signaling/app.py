@@ -1,7 +1,8 @@
-"""The aiohttp application: /v1 API, /healthz, /metrics, /openapi.json and the web page at /.
+"""The aiohttp application: /v1 API, /healthz, /readyz, /metrics, /openapi.json and the web page at /.
 
-`create_app(config)` builds the engine the config names (or takes one), starts it with the app and
-stops it on cleanup after every call is closed.
+`create_app(config)` builds the engine the config names (or takes one), starts it with the app (or,
+with `[engine] load_in_background`, behind /readyz while the server already listens) and stops it on
+cleanup after every call is closed.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 CONFIG = web.AppKey("config", Config)
 ENGINE = web.AppKey("engine", object)
+ENGINE_START = web.AppKey("engine_start", asyncio.Future)
 METRICS = web.AppKey("metrics", Metrics)
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
 
@@ -51,6 +53,7 @@ def create_app(config: Config, engine: Engine | None = None) -> web.Application:
     app[REGISTRY] = CallRegistry(engine, config, metrics)
     app.add_routes(routes)
     app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
     app.router.add_get("/", _index(static_dir / "index.html"))
@@ -61,12 +64,20 @@ def create_app(config: Config, engine: Engine | None = None) -> web.Application:
     async def start_engine(_app: web.Application) -> None:
         if config.webrtc.loopback_only:
             restore_ice.append(patch_aioice_loopback())  # offer 127.0.0.1 (aioice skips it by default)
-        await asyncio.get_running_loop().run_in_executor(None, engine.start)  # loads models off the loop
+        loading = asyncio.get_running_loop().run_in_executor(None, engine.start)  # loads models off the loop
+        app[ENGINE_START] = loading
+        if not config.engine.load_in_background:
+            await loading
+            return
+        loading.add_done_callback(_log_load_failure)
 
     async def close_calls(_app: web.Application) -> None:
         await app[REGISTRY].close_all()
 
     async def stop_engine(_app: web.Application) -> None:
+        loading = app.get(ENGINE_START)
+        if loading is not None and not loading.done():
+            await asyncio.wait([loading])  # a background load finishes before the engine stops
         if owns_engine:
             await asyncio.get_running_loop().run_in_executor(None, engine.stop)
         for restore in restore_ice:
@@ -153,6 +164,26 @@ async def _healthz(request: web.Request) -> web.Response:
         "active_calls": len(request.app[REGISTRY].calls),
     }
     return web.json_response(body, status=200 if running else 503)
+
+
+def _log_load_failure(loading: asyncio.Future) -> None:
+    if not loading.cancelled() and loading.exception() is not None:
+        logger.error("engine failed to load: %s (GET /readyz reports it)", loading.exception())
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    """Readiness: 200 once the engine has loaded and warmed up and accepts utterances; 503 + reason before
+    (and after it stopped). `/healthz` is liveness."""
+    engine = request.app[ENGINE]
+    ready = bool(getattr(engine, "ready", getattr(engine, "running", True)))
+    if ready:
+        return web.json_response({"status": "ready", "engine": request.app[CONFIG].engine.backend})
+    reason = str(getattr(engine, "not_ready_reason", "") or "engine not ready")
+    return web.json_response(
+        {"status": "not_ready", "reason": reason, "engine": request.app[CONFIG].engine.backend},
+        status=503,
+        headers={"Retry-After": "1"},
+    )
 
 
 async def _metrics(request: web.Request) -> web.Response:

@@ -48,6 +48,11 @@ def test_values_are_read_and_typed(tmp_path):
         ("[webrtc]\ntrim_leading_silence_ms = -1\n", "webrtc.trim_leading_silence_ms"),
         ("[auth]\ntokens = [1]\n", "auth.tokens"),
         ("[server]\nuse_uvloop = 1\n", "server.use_uvloop"),
+        ("[engine]\nload_in_background = 'yes'\n", "engine.load_in_background"),
+        ("[limits]\nvoice_min_s = 0.1\n", "limits.voice_min_s"),
+        ("[limits]\nvoice_max_s = 31\n", "limits.voice_max_s"),
+        ("[limits]\nvoice_min_s = 5\nvoice_max_s = 2\n", "limits.voice_max_s"),
+        ("[limits]\nvoice_max_bytes = 10\n", "limits.voice_max_bytes"),
     ],
 )
 def test_bad_values_name_the_key(tmp_path, text, key):

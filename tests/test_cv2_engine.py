@@ -199,11 +199,12 @@ def test_voice_registration_persists_and_bad_prompts_are_refused(model, golden_d
     before = backend.voices()
     (tmp_path / "notes.wav").write_text("not audio")
     bad = [
-        (tmp_path / "notes.wav", "hello", "not a readable audio file"),
-        (_wav(tmp_path / "short.wav", 0.5), "hello", "shorter than 1 s"),
-        (_wav(tmp_path / "long.wav", 31.0, 16000, 1), "hello", "longer than 30 s"),
-        (_wav(tmp_path / "ok.wav", 2.0), "  ", "transcript is empty"),
+        (tmp_path / "notes.wav", "hello", "cannot be decoded"),
+        (_wav(tmp_path / "short.wav", 0.5), "hello", "at least 1 s"),
+        (_wav(tmp_path / "long.wav", 31.0, 16000, 1), "hello", "the limit is 30 s"),
+        (tmp_path / "missing.wav", "hello", "cannot read"),
     ]
+    _wav(tmp_path / "ok.wav", 2.0)
     for path, transcript, message in bad:
         with pytest.raises(InputError, match=message):
             backend.register_voice(path, transcript, "mine")

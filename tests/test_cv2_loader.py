@@ -29,7 +29,7 @@ def clone(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> Path:
 
 @pytest.fixture(scope="module")
 def model(tiny_model_dir) -> CosyVoice2Model:
-    return load(tiny_model_dir)
+    return load(tiny_model_dir, check_frontend=False)  # the golden directory has no frontend files
 
 
 def test_loads_official_layout(model, golden_dir):
@@ -59,7 +59,7 @@ def test_present_onnx_files_are_opened_lazily(tiny_model_dir, tmp_path):
     d = clone(tiny_model_dir, tmp_path / "m")
     (d / "campplus.onnx").write_bytes(b"not parsed until first use")
     (d / "speech_tokenizer_v2.onnx").write_bytes(b"not parsed until first use")
-    loaded = load(d)
+    loaded = load(d, check_frontend=False)
     assert loaded.campplus is loaded.campplus
     assert loaded.speech_tokenizer is loaded.speech_tokenizer
 
@@ -68,7 +68,7 @@ def test_spk2info_becomes_sft_voices(tiny_model_dir, tmp_path):
     d = clone(tiny_model_dir, tmp_path / "m")
     embedding = torch.randn(1, 192)
     torch.save({"alice": {"embedding": embedding}}, d / "spk2info.pt")
-    loaded = load(d)
+    loaded = load(d, check_frontend=False)
     assert list(loaded.sft_voices) == ["alice"]
     torch.testing.assert_close(loaded.sft_voices["alice"]["embedding"], embedding)
 
@@ -142,8 +142,9 @@ def test_missing_backbone_config(tiny_model_dir, tmp_path):
         load(d)
 
 
-def test_corrupt_spk2info_names_the_file(tiny_model_dir, tmp_path):
+def test_corrupt_spk2info_is_logged_and_costs_only_its_voices(tiny_model_dir, tmp_path, caplog):
     d = clone(tiny_model_dir, tmp_path / "m")
     (d / "spk2info.pt").write_bytes(b"garbage")
-    with pytest.raises(ModelDirError, match="spk2info.pt"):
-        load(d)
+    loaded = load(d, check_frontend=False)
+    assert loaded.spk2info == {}
+    assert any("spk2info.pt: cannot read" in r.getMessage() for r in caplog.records)

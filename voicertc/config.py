@@ -62,6 +62,7 @@ class EngineConfig:
     piper_threads: int = 1
     first_clause_min_chars: int = 12
     workers: int = 1
+    load_in_background: bool = False
 
     def validate(self) -> None:
         _check(self.backend in BACKENDS, "engine.backend", f"must be one of {', '.join(BACKENDS)}")
@@ -117,6 +118,9 @@ class LimitsConfig:
     max_utterances: int = 64
     max_queued_utterances: int = 32
     text_idle_timeout_s: float = 30.0
+    voice_min_s: float = 1.0
+    voice_max_s: float = 30.0
+    voice_max_bytes: int = 10 * 1024 * 1024
 
     def validate(self) -> None:
         _check(self.max_text_chars >= 1, "limits.max_text_chars", "must be >= 1")
@@ -124,6 +128,13 @@ class LimitsConfig:
         _check(self.max_utterances >= 1, "limits.max_utterances", "must be >= 1")
         _check(self.max_queued_utterances >= 1, "limits.max_queued_utterances", "must be >= 1")
         _check(self.text_idle_timeout_s > 0, "limits.text_idle_timeout_s", "must be > 0")
+        _check(0.5 <= self.voice_min_s <= 30.0, "limits.voice_min_s", "must be 0.5..30")
+        _check(self.voice_min_s <= self.voice_max_s <= 30.0, "limits.voice_max_s", "must be voice_min_s..30")
+        _check(
+            1024 <= self.voice_max_bytes <= 100 * 1024 * 1024,
+            "limits.voice_max_bytes",
+            "must be 1 KiB..100 MiB",
+        )
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,18 @@ class EnginePool:
     def voices(self) -> list[str]:
         return self.workers[0].voices()
 
+    @property
+    def running(self) -> bool:
+        return all(worker.running for worker in self.workers)
+
+    @property
+    def ready(self) -> bool:
+        return all(worker.ready for worker in self.workers)
+
+    @property
+    def not_ready_reason(self) -> str:
+        return next((reason for w in self.workers if (reason := w.not_ready_reason)), "")
+
     def resolve_voice(self, voice: str | None) -> str:
         return self.workers[0].resolve_voice(voice)
 

@@ -120,6 +120,27 @@ class EngineWorker:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def ready(self) -> bool:
+        """Loaded, warmed up (the backend factory warms it) and accepting utterances: /readyz."""
+        return self._accepting and self.running
+
+    @property
+    def not_ready_reason(self) -> str:
+        """Why `ready` is false ("" when it is true)."""
+        if self.ready:
+            return ""
+        if self._load_error is not None:
+            return f"engine {self.name} failed to load: {self._load_error}"
+        if not self._ready.is_set():
+            started = self._thread is not None
+            return (
+                f"engine {self.name} is loading and warming up"
+                if started
+                else f"engine {self.name} is not started"
+            )
+        return f"engine {self.name} has stopped"
+
     def voices(self) -> list[str]:
         return self.backend.voices() if self._ready.is_set() and self.backend is not None else []
 

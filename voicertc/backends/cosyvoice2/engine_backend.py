@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from voicertc.audio.decode import Clip
 from voicertc.backends.cosyvoice2.bistream import BistreamSession
 from voicertc.backends.cosyvoice2.device_lane import DeviceLane, resolve_device
 from voicertc.backends.cosyvoice2.engine_state import Cv2State
@@ -29,7 +30,7 @@ from voicertc.backends.cosyvoice2.loader import CosyVoice2Model, load
 from voicertc.backends.cosyvoice2.sampling import SamplingMode
 from voicertc.backends.cosyvoice2.text import text_normalize
 from voicertc.backends.cosyvoice2.token2wav import Chunk, ChunkPlan, Token2WavStream
-from voicertc.backends.cosyvoice2.voices import Voice, VoiceBook, VoiceStore
+from voicertc.backends.cosyvoice2.voices import Voice, VoiceBook, VoiceStore, voice_from_features
 from voicertc.config import Config
 from voicertc.engine.backend import Backend, SynthStep
 from voicertc.engine.schedule import ChunkSchedule
@@ -94,7 +95,9 @@ class CosyVoice2Backend:
         """Any thread (a snapshot)."""
         return self.book.ids()
 
-    def register_voice(self, wav_path: str | Path, transcript: str, voice_id: str | None = None) -> str:
+    def register_voice(
+        self, wav_path: str | Path, transcript: str | None, voice_id: str | None = None
+    ) -> str:
         """Zero-shot voice from a prompt recording; persisted in the voices directory.
 
         Runs model code (speech tokenizer, speaker embedding, flow prompt state, LLM prefix cache): call it
@@ -102,11 +105,40 @@ class CosyVoice2Backend:
         """
         return self.book.register_wav(wav_path, transcript, voice_id).voice_id
 
+    def register_clip(
+        self, clip: Clip, transcript: str | None, voice_id: str | None = None, name: str = ""
+    ) -> dict[str, object]:
+        """Engine thread (an engine command): a zero-shot voice from a checked clip; its description."""
+        return self.book.register(clip, transcript, voice_id, name).describe()
+
+    def voice_infos(self) -> list[dict[str, object]]:
+        return self.book.describe()
+
     def add_voice(self, voice: Voice, persist: bool = True) -> str:
         return self.book.add(voice, persist=persist).voice_id
 
     def delete_voice(self, voice_id: str) -> None:
         self.book.delete(voice_id)
+
+    def warm_up(self) -> None:
+        """Engine thread, before the engine reports ready: one LLM step and one flow + vocoder chunk on
+        a prompt-free voice, so kernels, allocators and caches are set up before the first caller."""
+        started = time.perf_counter()
+        bins, dim = self.model.flow.cfg.mel_bins, self.model.flow.cfg.spk_embed_dim
+        voice = voice_from_features(
+            self.model, torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, bins), torch.zeros(1, dim),
+            voice_id="warm-up", kind="sft",
+        )  # fmt: skip
+        with self.lane.compute():
+            session = self.model.llm.prefill([0, 1, 2], sampling="greedy")
+            self.model.llm.step(session)
+            t2w = self.model.token2wav_stream(voice, self.schedule, pcm_to_host=self.lane.to_host)
+            try:
+                t2w.push([0] * (self.schedule.first_hop_tokens + self.schedule.lookahead_tokens))
+                t2w.finish()
+            finally:
+                t2w.release()
+        logger.info("cosyvoice2 warmed up in %.0f ms", 1000 * (time.perf_counter() - started))
 
     # ---- Backend protocol ---------------------------------------------------------------------
 
@@ -387,4 +419,6 @@ def create_backend(config: Config) -> CosyVoice2Backend:
         lookahead_tokens=s.lookahead_tokens,
         grid_tokens=s.grid_tokens or None,
     )
-    return CosyVoice2Backend(model, schedule, engine.voices_dir or None)
+    backend = CosyVoice2Backend(model, schedule, engine.voices_dir or None)
+    backend.warm_up()
+    return backend

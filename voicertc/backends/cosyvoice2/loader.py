@@ -2,9 +2,11 @@
 
 Reads `cosyvoice2.yaml` for every hyperparameter (tags are checked, nothing is imported), then
 `llm.pt`, `flow.pt`, `hift.pt` strictly, `CosyVoice-BlankEN/config.json` for the Qwen2 backbone and the
-optional `spk2info.pt`. The parts a voice may never need — `campplus.onnx`, `speech_tokenizer_v2.onnx`
-and the text tokenizer — are opened on first use, so a directory without them still loads; using a
-missing one raises ModelDirError naming the file.
+optional `spk2info.pt` (its entries are turned into voices by `voices.VoiceBook`, each on its own: a bad
+entry disables that voice, never the engine). `check_frontend` (run by `load` unless told not to) opens
+and smoke-runs every frontend file — the text tokenizer, `campplus.onnx`, `speech_tokenizer_v2.onnx` —
+so a missing or broken one stops the start with a ModelDirError naming the file, instead of failing the
+first speak or the first voice registration.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class CosyVoice2Model:
     llm: Qwen2LM
     flow: CausalFlow
     hift: HiFTGenerator
-    sft_voices: dict[str, dict[str, Tensor]]
+    spk2info: dict[str, Any]  # raw spk2info.pt entries (speaker id -> {name: tensor}), unvalidated
     device: torch.device
     dtype: torch.dtype
     text_frontend: TextFrontend = field(init=False)
@@ -74,6 +76,11 @@ class CosyVoice2Model:
 
     def __post_init__(self) -> None:
         self.text_frontend = TextFrontend(self.model_dir / BLANKEN_DIR)
+
+    @property
+    def sft_voices(self) -> dict[str, Any]:
+        """The spk2info.pt entries (old name)."""
+        return self.spk2info
 
     @property
     def sample_rate_hz(self) -> int:
@@ -166,17 +173,20 @@ def _load_weights(path: Path) -> dict[str, Tensor]:
     return state
 
 
-def _load_sft_voices(path: Path) -> dict[str, dict[str, Tensor]]:
-    """Optional spk2info.pt: {speaker: {'embedding': [1, 192], ...}}; missing file = no voices."""
+def _load_spk2info(path: Path) -> dict[str, Any]:
+    """Optional spk2info.pt: {speaker: {name: tensor}}; missing file = no voices. The entries are not
+    validated here (VoiceBook does it per entry); an unreadable file only costs its voices."""
     if not path.is_file():
         return {}
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise ModelDirError(f"{path}: cannot read ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
-        raise ModelDirError(f"{path}: expected {{speaker id: {{name: tensor}}}}")
-    return {str(k): dict(v) for k, v in raw.items()}
+    except Exception as exc:  # truncated zip, pickle errors, ...: torch raises several types
+        logger.error("%s: cannot read (%s: %s); its voices are disabled", path, type(exc).__name__, exc)
+        return {}
+    if not isinstance(raw, dict):
+        logger.error("%s: expected {speaker id: {name: tensor}}, got %s; ignored", path, type(raw).__name__)
+        return {}
+    return {str(k): v for k, v in raw.items()}
 
 
 def load_llm(
@@ -193,9 +203,16 @@ def load_llm(
 
 
 def load(
-    model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    model_dir: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    check_frontend: bool = True,
 ) -> CosyVoice2Model:
-    """Load an official-layout CosyVoice2 directory; LLM and flow in `dtype`, HiFT in float32."""
+    """Load an official-layout CosyVoice2 directory; LLM and flow in `dtype`, HiFT in float32.
+
+    With `check_frontend` (the default) every frontend file is opened and smoke-run now
+    (`frontend_checks.check_frontend`); tests of the networks alone pass False."""
     model_dir = Path(model_dir)
     device = torch.device(device)
     yaml_path = _check_directory(model_dir)
@@ -216,11 +233,19 @@ def load(
         llm=llm,
         flow=flow.to(device=device, dtype=dtype).eval(),
         hift=hift.to(device=device).eval(),
-        sft_voices=_load_sft_voices(model_dir / "spk2info.pt"),
+        spk2info=_load_spk2info(model_dir / "spk2info.pt"),
         device=device,
         dtype=dtype,
     )
+    if check_frontend:
+        from voicertc.backends.cosyvoice2.frontend_checks import check_frontend as run_checks
+
+        run_checks(model)
     logger.info(
-        "loaded CosyVoice2 from %s on %s (%s), %d sft voices", model_dir, device, dtype, len(model.sft_voices)
+        "loaded CosyVoice2 from %s on %s (%s), %d spk2info entries",
+        model_dir,
+        device,
+        dtype,
+        len(model.spk2info),
     )
     return model

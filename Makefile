@@ -28,7 +28,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(BIN)/python -m pip install -q -e ".[cpu-voice,cosyvoice,dev]"
+	$(BIN)/python -m pip install -q -e ".[cpu-voice,cosyvoice,scale,dev]"
 	touch $@
 
 # Debian's Chromium for the browser tests (never a downloaded browser).

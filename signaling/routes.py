@@ -77,7 +77,8 @@ async def create_call(request: web.Request) -> web.Response:
         raise _unsupported(request, "application/sdp or application/json")
     check_offer(offer)
     call, answer = await _registry(request).create(offer, voice)
-    location = f"/v1/calls/{call.call_id}"
+    # Behind a load balancer the call lives on this front-end: later requests must reach it here.
+    location = f"{call.config.server.public_url.rstrip('/')}/v1/calls/{call.call_id}"
     headers = {"Location": location}
     if as_json:
         return web.json_response(
@@ -140,8 +141,9 @@ def _speak(call: Call, text: str | AsyncIterator[str], voice: str | None, interr
         return call.speak(text, voice=voice, interrupt=interrupt)
     except QueueFullError as exc:
         raise ApiError(429, exc.code, str(exc), {"Retry-After": "1"}) from exc
-    except EngineStoppedError as exc:
-        raise ApiError(503, exc.code, str(exc)) from exc
+    except EngineStoppedError as exc:  # engine_unavailable (a remote engine out of reach) says when to retry
+        retry = getattr(exc, "retry_after_s", None)
+        raise ApiError(503, exc.code, str(exc), {"Retry-After": str(retry)} if retry else None) from exc
     except VoiceRTCError as exc:
         raise ApiError(400, exc.code, str(exc)) from exc
 

@@ -21,9 +21,12 @@ class ServerConfig:
     port: int = 8080
     use_uvloop: bool = True
     static_dir: str = ""
+    public_url: str = ""
 
     def validate(self) -> None:
         _check(0 <= self.port <= 65535, "server.port", "must be 0..65535")
+        ok_url = not self.public_url or self.public_url.startswith(("http://", "https://"))
+        _check(ok_url, "server.public_url", "must be empty or an http(s):// URL")
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,8 @@ class WebRTCConfig:
         _check(0 <= self.trim_leading_silence_ms <= 1000, "webrtc.trim_leading_silence_ms", "must be 0..1000")
 
 
-BACKENDS = ("piper", "fake", "cosyvoice2")
+BACKENDS = ("piper", "fake", "cosyvoice2")  # the models an engine can run (in-process or on a replica)
+ENGINE_KINDS = ("local", "ray")  # where the engine runs; `engine.model` names the model then
 
 
 @dataclass(frozen=True)
@@ -63,9 +67,28 @@ class EngineConfig:
     first_clause_min_chars: int = 12
     workers: int = 1
     load_in_background: bool = False
+    model: str = ""
+    max_ahead_ms: int = 2000
+
+    @property
+    def model_name(self) -> str:
+        """The model this engine runs: `backend` when it names one, else `model` ("" = piper)."""
+        return self.backend if self.backend in BACKENDS else (self.model or "piper")
+
+    @property
+    def remote(self) -> bool:
+        """The engine is a Ray Serve deployment (this process is a front-end)."""
+        return self.backend == "ray"
 
     def validate(self) -> None:
-        _check(self.backend in BACKENDS, "engine.backend", f"must be one of {', '.join(BACKENDS)}")
+        kinds = BACKENDS + ENGINE_KINDS
+        _check(self.backend in kinds, "engine.backend", f"must be one of {', '.join(kinds)}")
+        _check(
+            self.model in ("", *BACKENDS), "engine.model", f"must be empty or one of {', '.join(BACKENDS)}"
+        )
+        ok_model = not self.model or self.backend in ENGINE_KINDS or self.model == self.backend
+        _check(ok_model, "engine.model", "is only used with backend 'local' or 'ray' (or must match backend)")
+        _check(100 <= self.max_ahead_ms <= 120_000, "engine.max_ahead_ms", "must be 100..120000")
         _check(self.dtype in ("float32", "float16", "bfloat16"), "engine.dtype", "bad dtype")
         ok_device = self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
         _check(ok_device, "engine.device", "must be auto, cpu, cuda or cuda:N")
@@ -73,8 +96,8 @@ class EngineConfig:
         _check(1 <= self.piper_threads <= 64, "engine.piper_threads", "must be 1..64")
         _check(0 <= self.first_clause_min_chars <= 200, "engine.first_clause_min_chars", "must be 0..200")
         _check(1 <= self.workers <= 64, "engine.workers", "must be 1..64")
-        if self.backend == "cosyvoice2":
-            _check(bool(self.model_dir), "engine.model_dir", "is required for backend cosyvoice2")
+        if self.model_name == "cosyvoice2":
+            _check(bool(self.model_dir), "engine.model_dir", "is required for model cosyvoice2")
             _check(self.workers == 1, "engine.workers", "must be 1 for cosyvoice2 (one owner of the device)")
 
 
@@ -154,6 +177,52 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class RayConfig:
+    """Where the remote engine runs (`engine.backend = "ray"`) and how its replicas are deployed."""
+
+    address: str = "auto"
+    namespace: str = "voicertc"
+    app_name: str = "voicertc-engine"
+    auth_mode: str = "token"
+    auth_token_path: str = ""
+    num_replicas: int = 1
+    autoscale: bool = False
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_ongoing_requests: float = 8.0
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    max_ongoing_requests: int = 64
+    connect_timeout_s: float = 30.0
+    open_timeout_s: float = 10.0
+    stall_timeout_s: float = 10.0
+    control_timeout_s: float = 5.0
+    health_interval_s: float = 2.0
+    retry_after_s: int = 5
+
+    def validate(self) -> None:
+        _check(bool(self.address.strip()), "ray.address", 'must not be empty ("auto", host:port, ray://...)')
+        _check(bool(self.namespace.strip()), "ray.namespace", "must not be empty")
+        _check(bool(self.app_name.strip()), "ray.app_name", "must not be empty")
+        _check(self.auth_mode in ("token", "disabled"), "ray.auth_mode", "must be token or disabled")
+        _check(1 <= self.num_replicas <= 1024, "ray.num_replicas", "must be 1..1024")
+        _check(0 <= self.min_replicas <= 1024, "ray.min_replicas", "must be 0..1024")
+        _check(
+            self.max_replicas >= max(1, self.min_replicas),
+            "ray.max_replicas",
+            "must be >= min_replicas, >= 1",
+        )
+        _check(self.target_ongoing_requests > 0, "ray.target_ongoing_requests", "must be > 0")
+        _check(0 <= self.num_cpus <= 256, "ray.num_cpus", "must be 0..256")
+        _check(0 <= self.num_gpus <= 16, "ray.num_gpus", "must be 0..16 (fractions pack replicas on a GPU)")
+        _check(1 <= self.max_ongoing_requests <= 10_000, "ray.max_ongoing_requests", "must be 1..10000")
+        for key in ("connect_timeout_s", "open_timeout_s", "stall_timeout_s", "control_timeout_s"):
+            _check(getattr(self, key) > 0, f"ray.{key}", "must be > 0")
+        _check(self.health_interval_s > 0, "ray.health_interval_s", "must be > 0")
+        _check(1 <= self.retry_after_s <= 3600, "ray.retry_after_s", "must be 1..3600")
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     webrtc: WebRTCConfig = field(default_factory=WebRTCConfig)
@@ -162,6 +231,7 @@ class Config:
     fake: FakeConfig = field(default_factory=FakeConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def replace(self, section: str, **values: Any) -> Config:

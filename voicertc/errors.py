@@ -37,3 +37,13 @@ class EngineStoppedError(VoiceRTCError):
     """The engine is not running (not started, stopped, or its backend failed to load)."""
 
     code = "engine_stopped"
+
+
+class EngineUnavailableError(EngineStoppedError):
+    """The remote engine (Ray Serve app) cannot be reached, or speaks another version (HTTP 503)."""
+
+    code = "engine_unavailable"
+
+    def __init__(self, message: str, retry_after_s: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -11,13 +11,14 @@ from collections.abc import Callable
 from voicertc.config import Config
 from voicertc.engine.backend import Backend
 from voicertc.engine.pool import EnginePool
+from voicertc.engine.protocol import Engine
 from voicertc.engine.worker import EngineWorker
 from voicertc.errors import ConfigError
 
 
 def backend_factory(config: Config) -> Callable[[], Backend]:
     """A function that builds the configured backend (called on the worker thread)."""
-    kind = config.engine.backend
+    kind = config.engine.model_name
     if kind == "fake":
         from voicertc.engine.fake import FakeBackend
 
@@ -26,7 +27,7 @@ def backend_factory(config: Config) -> Callable[[], Backend]:
         try:
             from voicertc.backends.piper import PiperBackend
         except ImportError as exc:
-            raise ConfigError(f"engine.backend = 'piper' needs the cpu-voice extra: {exc}") from exc
+            raise ConfigError(f"engine model 'piper' needs the cpu-voice extra: {exc}") from exc
         return lambda: PiperBackend(  # type: ignore[return-value]
             threads=config.engine.piper_threads,
             first_clause_min_chars=config.engine.first_clause_min_chars,
@@ -34,18 +35,30 @@ def backend_factory(config: Config) -> Callable[[], Backend]:
     try:
         from voicertc.backends.cosyvoice2.engine_backend import create_backend
     except ImportError as exc:
-        raise ConfigError(f"engine.backend = 'cosyvoice2' needs the cosyvoice extra: {exc}") from exc
+        raise ConfigError(f"engine model 'cosyvoice2' needs the cosyvoice extra: {exc}") from exc
     return lambda: create_backend(config)  # type: ignore[return-value]
 
 
-def create_engine(config: Config) -> EngineWorker | EnginePool:
-    """An EngineWorker for the configured backend, or a pool of `engine.workers` of them (not
-    started; `start()` builds the backends, each on its own worker thread, and waits for them)."""
+def create_engine(config: Config, *, local: bool = False) -> Engine:
+    """An EngineWorker for the configured model, or a pool of `engine.workers` of them (not
+    started; `start()` builds the backends, each on its own worker thread, and waits for them).
+
+    With `engine.backend = "ray"` (and not `local`, which a replica asks for) it is the client of the
+    remote engine deployment instead (`voicertc.remote`, needs the `scale` extra)."""
+    if config.engine.remote and not local:
+        try:
+            from voicertc.remote.client import RemoteEngine
+        except ImportError as exc:
+            raise ConfigError(
+                f"engine.backend = 'ray' needs the scale extra (pip install voicertc[scale]): {exc}"
+            ) from exc
+        return RemoteEngine(config)  # type: ignore[return-value]
     build = backend_factory(config)
+    model = config.engine.model_name
     workers = [
         EngineWorker(
             backend_factory=build,
-            name=config.engine.backend if config.engine.workers == 1 else f"{config.engine.backend}-{i}",
+            name=model if config.engine.workers == 1 else f"{model}-{i}",
             default_voice=config.engine.default_voice,
             max_text_chars=config.limits.max_text_chars,
             max_utterances=config.limits.max_utterances,

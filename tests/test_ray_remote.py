@@ -1,0 +1,335 @@
+"""The remote engine on a real local Ray cluster: calls speak through Serve replicas.
+
+One cluster for the module (loopback only: node, GCS and agents on 127.0.0.1, no dashboard, no HTTP
+proxy, token auth with a token file of the test's own). Two apps: `fake` (two replicas of the fake
+engine) and `cv2` (one replica of the tiny CosyVoice2 directory). Front-ends are `RemoteEngine`s in
+this process, the transport is the real `Call` with an aiortc peer, or a `RingSink` read at playout pace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
+from call_helpers import PeerClient, fake_config, rms  # noqa: E402
+from cv2_engine_helpers import make_tiny_model_dir  # noqa: E402
+
+from signaling.app import ENGINE, create_app  # noqa: E402
+from voicertc import __version__  # noqa: E402
+from voicertc.audio import PcmRing, RingSink  # noqa: E402
+from voicertc.config import Config, RayConfig  # noqa: E402
+from voicertc.engine.protocol import Cancelled, Done, EngineEvent, Failed, FirstAudio  # noqa: E402
+from voicertc.errors import EngineUnavailableError  # noqa: E402
+from voicertc.remote.client import RemoteEngine, VersionSkewError, apply_auth  # noqa: E402
+from voicertc.remote.deployment import build_app  # noqa: E402
+from voicertc.webrtc import patch_aioice_loopback  # noqa: E402
+from voicertc.webrtc.call import Call  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+FAKE_APP = "voicertc-fake"
+CV2_APP = "voicertc-cv2"
+FAKE = {"ttfa_ms": 20, "rtf": 0.25, "chunk_ms": 100}  # 25 ms of compute per 100 ms piece
+LONG_TEXT = "This sentence is long enough to take several seconds to speak out loud. " * 2
+
+
+def front_end(app: str, **sections: dict[str, Any]) -> Config:
+    """A front-end's config: the engine is the Ray app `app`."""
+    ray_keys = {"app_name": app, "open_timeout_s": 20.0, "stall_timeout_s": 5.0, "health_interval_s": 0.5}
+    engine = {"backend": "ray", "max_ahead_ms": 1000, **sections.pop("engine", {})}
+    return fake_config(engine=engine, ray={**ray_keys, **sections.pop("ray", {})}, **sections)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[None]:
+    speaking_dir = make_tiny_model_dir(tmp_path_factory.mktemp("cv2_speak"), checkpoints_from=tiny_model_dir)
+    """A local Ray cluster on 127.0.0.1 with the two engine apps; torn down after the module."""
+    token = tmp_path_factory.mktemp("ray") / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
+    apply_auth(RayConfig(auth_mode="token", auth_token_path=str(token)))
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        namespace="voicertc",
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    try:
+        serve.start(proxy_location="Disabled")
+        fake = fake_config(fake=FAKE, ray={"num_replicas": 2, "num_cpus": 0.5})
+        serve.run(build_app(fake), name=FAKE_APP, route_prefix=None)
+        cv2 = fake_config(
+            engine={"backend": "cosyvoice2", "model_dir": str(speaking_dir), "voices_dir": ""},
+            ray={"num_replicas": 1, "num_cpus": 0.5},
+        )
+        serve.run(build_app(cv2), name=CV2_APP, route_prefix=None)
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def remote(app: str = FAKE_APP, **sections: dict[str, Any]) -> Iterator[RemoteEngine]:
+    engine = RemoteEngine(front_end(app, **sections))
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(cluster) -> Iterator[RemoteEngine]:
+    with remote() as eng:
+        yield eng
+
+
+@pytest.fixture(autouse=True)
+def loopback_ice():
+    restore = patch_aioice_loopback()
+    yield
+    restore()
+
+
+class Listener:
+    """Collects one utterance's engine events (engine threads) for an asyncio test."""
+
+    def __init__(self) -> None:
+        self.events: list[EngineEvent] = []
+        self._done = threading.Event()
+        self._first = threading.Event()
+
+    def __call__(self, event: EngineEvent) -> None:
+        self.events.append(event)
+        if isinstance(event, FirstAudio):
+            self._first.set()
+        if isinstance(event, Done | Failed | Cancelled):
+            self._done.set()
+
+    async def first_audio(self, timeout_s: float = 20.0) -> None:
+        assert await asyncio.to_thread(self._first.wait, timeout_s), self.events
+
+    async def terminal(self, timeout_s: float = 20.0) -> EngineEvent:
+        assert await asyncio.to_thread(self._done.wait, timeout_s), self.events
+        return self.events[-1]
+
+
+@contextlib.asynccontextmanager
+async def played_ring(read: bool = True):
+    """A call's ring and sink, read at playout pace (20 ms frames) unless `read` is False."""
+    ring = PcmRing(high_water_ms=4000)
+    sink = RingSink(ring)
+
+    async def playout() -> None:
+        while True:
+            ring.read(960)
+            await asyncio.sleep(0.02)
+
+    task = asyncio.get_running_loop().create_task(playout()) if read else None
+    try:
+        yield ring, sink
+    finally:
+        if task is not None:
+            task.cancel()
+
+
+def kill_replica(app: str, replica: str) -> None:
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith(f"SERVE_REPLICA::{app}#") and actor["name"].endswith(f"#{replica}"):
+            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+            return
+    raise AssertionError(f"no replica {replica} of {app}")
+
+
+# --- speaking through a replica -----------------------------------------------------------------------
+
+
+async def test_an_aiortc_call_speaks_through_a_remote_replica(engine):
+    config = front_end(FAKE_APP)
+    call = Call("remote-1", engine, config)
+    client = PeerClient()
+    try:
+        await client.accept(await call.answer(await client.offer()))
+        await client.wait_open()
+        handle = call.speak("Hello from a remote replica.")
+        done = await asyncio.wait_for(handle.done(), 20)
+        assert done["type"] == "speech.done", done
+        assert done["played_ms"] == pytest.approx(28 * 65, rel=0.1)
+        started = await client.wait_event("speech.started", utterance_id=handle.utterance_id)
+        assert started["ttfa_ms"] > 0
+        await asyncio.sleep(0.3)  # frames in flight
+        assert rms(client.audio()) > 0.05
+        assert engine.replicas[handle.utterance_id]
+    finally:
+        await client.close()
+        await call.close("test over")
+
+
+async def test_the_tiny_cosyvoice2_replica_speaks(cluster):
+    with remote(CV2_APP) as eng:
+        async with played_ring() as (ring, sink):
+            listener = Listener()
+            eng.say(None, sink, listener, "Hello.")
+            event = await listener.terminal(60.0)
+            assert isinstance(event, Done), listener.events
+            assert event.audio_ms > 0
+            assert any(isinstance(e, FirstAudio) for e in listener.events)
+
+
+async def test_interrupt_stops_the_replica_generator_within_one_chunk(engine):
+    config = front_end(FAKE_APP, engine={"max_ahead_ms": 20000, "max_queued_ms": 20000})
+    with remote(**{"engine": {"max_ahead_ms": 20000, "max_queued_ms": 20000}}) as eng:
+        call = Call("remote-2", eng, config)
+        client = PeerClient()
+        try:
+            await client.accept(await call.answer(await client.offer()))
+            await client.wait_open()
+            handle = call.speak(LONG_TEXT)
+            await client.wait_event("speech.started", timeout_s=20, utterance_id=handle.utterance_id)
+            uid, _played = call.interrupt()
+            assert uid == handle.utterance_id
+            assert (await handle.done())["type"] == "speech.interrupted"
+        finally:
+            await client.close()
+            await call.close("test over")
+        report = await _report(eng, handle.utterance_id)
+        assert report["cancelled"] is True
+        assert report["pieces_after_close"] <= 1, report
+        full_ms = len(LONG_TEXT) * 65
+        assert report["sent_ms"] < full_ms / 2, report  # it stopped, long before the end
+
+
+async def _report(eng: RemoteEngine, utterance_id: str) -> dict[str, Any]:
+    for _ in range(50):  # the replica records it when its generator has unwound
+        report = await asyncio.to_thread(eng.report, utterance_id)
+        if report is not None:
+            return report
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no report for {utterance_id}")
+
+
+async def test_four_calls_keep_their_replica_for_three_utterances(engine):
+    async def one_call() -> list[str]:
+        async with played_ring() as (_ring, sink):
+            uids = []
+            for n in range(3):
+                listener = Listener()
+                uids.append(engine.say(None, sink, listener, f"Utterance number {n}."))
+                assert isinstance(await listener.terminal(), Done), listener.events
+            return [engine.replicas[uid] for uid in uids]
+
+    per_call = await asyncio.gather(*(one_call() for _ in range(4)))
+    assert all(len(set(replicas)) == 1 for replicas in per_call), per_call
+    assert len({replicas[0] for replicas in per_call}) == 2, per_call  # both replicas serve calls
+
+
+async def test_front_end_memory_stays_bounded_when_nobody_reads(engine):
+    async with played_ring(read=False) as (ring, sink):
+        listener = Listener()
+        uid = engine.say(None, sink, listener, LONG_TEXT)
+        await listener.first_audio()
+        for _ in range(100):  # until the replica reached its credit (1000 ms ahead of no playout)
+            if ring.queued_ms >= 900:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)  # unbounded, the replica would add 4 s of audio meanwhile
+        assert 900 <= ring.queued_ms <= 1100, ring.queued_ms
+        assert not listener.events[1:], listener.events  # still open, only waiting for credit
+        engine.cancel(uid)
+        assert isinstance(await listener.terminal(), Cancelled)
+    report = await _report(engine, uid)
+    assert report["sent_ms"] <= 1100, report
+
+
+# --- faults -------------------------------------------------------------------------------------------
+
+
+def test_version_skew_is_refused_at_connect_naming_both_versions(cluster):
+    eng = RemoteEngine(front_end(FAKE_APP), client_version="0.0.0-old")
+    with pytest.raises(VersionSkewError) as err:
+        eng.start()
+    assert "voicertc 0.0.0-old" in str(err.value) and f"voicertc {__version__}" in str(err.value)
+    assert not eng.running
+
+
+def test_an_engine_app_that_is_not_there_is_refused_at_start(cluster):
+    eng = RemoteEngine(front_end("no-such-app", ray={"connect_timeout_s": 5.0}))
+    with pytest.raises(EngineUnavailableError, match="no-such-app"):
+        eng.start()
+
+
+async def test_a_killed_replica_fails_its_utterance_and_the_next_one_moves(cluster):
+    with remote() as eng:
+        async with played_ring() as (_ring, sink):
+            warm = Listener()
+            eng.say(None, sink, warm, "Warm up.")
+            assert isinstance(await warm.terminal(), Done)
+            victim = eng.replicas[warm.events[-1].utterance_id]
+
+            listener = Listener()
+            uid = eng.say(None, sink, listener, LONG_TEXT)
+            await listener.first_audio()
+            assert eng.replicas[uid] == victim
+            await asyncio.to_thread(kill_replica, FAKE_APP, victim)
+            event = await listener.terminal()
+            assert isinstance(event, Failed) and event.code == "engine_lost", listener.events
+
+            after = Listener()
+            next_uid = eng.say(None, sink, after, "Still here.")
+            assert isinstance(await after.terminal(), Done), after.events
+            assert eng.replicas[next_uid] != victim
+
+
+async def test_http_front_end_location_and_503_while_the_engine_is_gone(cluster):
+    """Runs last: it deletes the fake app. The call stays up; speak answers 503 + Retry-After."""
+    config = front_end(FAKE_APP, server={"public_url": "http://front-1.example:8080/"})
+    client = TestClient(TestServer(create_app(config)))
+    await client.start_server()
+    peer = PeerClient()
+    try:
+        resp = await client.post(
+            "/v1/calls", data=await peer.offer(), headers={"Content-Type": "application/sdp"}
+        )
+        assert resp.status == 201, await resp.text()
+        location = resp.headers["Location"]
+        assert location.startswith("http://front-1.example:8080/v1/calls/"), location
+        call_id = location.rsplit("/", 1)[1]
+        await peer.accept(await resp.text())
+        await peer.wait_open()
+        resp = await client.post(f"/v1/calls/{call_id}/speak", json={"text": "Before the outage."})
+        assert resp.status == 202, await resp.text()
+
+        engine = client.app[ENGINE]
+        await asyncio.to_thread(serve.delete, FAKE_APP)
+        for _ in range(100):  # the health probe notices (every ray.health_interval_s)
+            if not engine.available:
+                break
+            await asyncio.sleep(0.1)
+        resp = await client.post(f"/v1/calls/{call_id}/speak", json={"text": "During the outage."})
+        assert resp.status == 503, await resp.text()
+        assert (await resp.json())["error"]["code"] == "engine_unavailable"
+        assert resp.headers["Retry-After"] == "5"
+        assert (await client.get(f"/v1/calls/{call_id}")).status == 200  # the call is still up
+    finally:
+        await peer.close()
+        await client.close()

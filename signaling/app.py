@@ -11,10 +11,12 @@ import asyncio
 import errno
 import hmac
 import logging
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from signaling.errors import ApiError, error_response
 from signaling.metrics import Metrics
@@ -43,7 +45,11 @@ def create_app(config: Config, engine: Engine | None = None) -> web.Application:
     static_dir = Path(config.server.static_dir) if config.server.static_dir else WEB_DIR
     if not static_dir.is_dir():
         raise ConfigError(f"server.static_dir: {str(static_dir)!r} is not a folder")
-    app = web.Application(middlewares=[_errors, _auth(config.auth.tokens)], client_max_size=4 * 1024 * 1024)
+    app = web.Application(
+        middlewares=[_errors, _auth(config.auth.tokens)],
+        client_max_size=4 * 1024 * 1024,
+        handler_args={"logger": ProtocolLogger(logging.getLogger("aiohttp.server"))},
+    )
     owns_engine = engine is None
     engine = engine if engine is not None else create_engine(config)
     metrics = Metrics()
@@ -89,6 +95,18 @@ def create_app(config: Config, engine: Engine | None = None) -> web.Application:
     return app
 
 
+class ProtocolLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's connection logger, minus the traceback for a request its parser refused (a NUL byte
+    in a header, an overlong line...): aiohttp already answered it 400, so one INFO line says enough."""
+
+    def exception(self, msg: object, *args: object, exc_info: object = True, **kwargs: object) -> None:
+        exc = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+        if isinstance(exc, HttpProcessingError):
+            self.info("malformed HTTP request refused (%s): %s", exc.code, str(exc.message).splitlines()[0])
+            return
+        super().exception(msg, *args, exc_info=exc_info, **kwargs)  # type: ignore[arg-type]
+
+
 def http_url(host: str, port: int) -> str:
     """The base URL of a listening address (IPv6 hosts in brackets; a wildcard stays as bound)."""
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -126,7 +144,8 @@ async def _error_json(request: web.Request, handler: Handler) -> web.StreamRespo
         code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(
             exc.status, "http_error"
         )
-        return error_response(exc.status, code, exc.reason or exc.text or code)
+        kept = {k: v for k, v in exc.headers.items() if k in ("Allow", "Retry-After")}
+        return error_response(exc.status, code, exc.reason or exc.text or code, kept)
     except asyncio.CancelledError:
         raise
     except Exception:

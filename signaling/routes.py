@@ -18,6 +18,7 @@ from signaling.errors import ApiError
 from signaling.registry import CallRegistry
 from signaling.sdp import check_not_restart, check_offer, parse_sdpfrag
 from voicertc.errors import EngineStoppedError, InputError, VoiceRTCError
+from voicertc.validate import BadJsonError, BadTextError, check_text, parse_json
 from voicertc.webrtc.call import Call
 from voicertc.webrtc.speech import QueueFullError, SpeechHandle
 
@@ -47,12 +48,31 @@ def _call(request: web.Request) -> Call:
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
     try:
-        data = await request.json()
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, "bad_json", f"request body is not valid JSON: {exc}") from exc
+        data = parse_json(await request.read(), "request body")
+    except BadJsonError as exc:
+        raise ApiError(400, exc.code, str(exc)) from None
     if not isinstance(data, dict):
         raise ApiError(400, "bad_json", "request body must be a JSON object")
     return data
+
+
+async def _text_body(request: web.Request, what: str) -> str:
+    """The body as UTF-8 text (SDP is UTF-8 whatever charset the request claims): 400 when it is not."""
+    raw = await request.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, "bad_encoding", f"{what} is not UTF-8 (byte {exc.start})") from None
+
+
+def _query_bool(request: web.Request, name: str) -> bool:
+    value = request.query.get(name, "false").lower()
+    if value not in _BOOLEANS:
+        raise ApiError(400, "bad_request", f"query parameter {name!r} must be true or false")
+    return _BOOLEANS[value]
+
+
+_BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
 
 
 def _unsupported(request: web.Request, accepted: str) -> ApiError:
@@ -63,7 +83,7 @@ def _unsupported(request: web.Request, accepted: str) -> ApiError:
 @routes.post("/v1/calls")
 async def create_call(request: web.Request) -> web.Response:
     if request.content_type == "application/sdp":
-        offer, voice, as_json = await request.text(), None, False
+        offer, voice, as_json = await _text_body(request, "SDP offer"), None, False
     elif request.content_type == "application/json":
         body = await _json_body(request)
         offer, voice, as_json = body.get("sdp"), body.get("voice"), True
@@ -99,7 +119,7 @@ async def trickle(request: web.Request) -> web.Response:
         raise _unsupported(request, SDPFRAG)
     if request.headers.get("If-Match") == "*":
         raise ApiError(422, "ice_restart_unsupported", "ICE restart is not supported: start a new call")
-    frag = parse_sdpfrag(await request.text())
+    frag = parse_sdpfrag(await _text_body(request, "SDP fragment"))
     check_not_restart(frag, call.remote_ice)
     await call.add_remote_candidates(frag.candidates, end=frag.end)
     return web.Response(status=204)
@@ -187,18 +207,28 @@ async def _ndjson_deltas(request: web.Request, limit: int) -> AsyncIterator[str]
         if not raw.strip():
             continue
         try:
-            item = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise _NdjsonError("bad_ndjson", f"line {line_no} is not JSON") from None
+            item = parse_json(raw, f"line {line_no}")
+        except BadJsonError as exc:
+            raise _NdjsonError("bad_ndjson", str(exc)) from None
         if not isinstance(item, dict) or not isinstance(item.get("text"), str):
             raise _NdjsonError("bad_ndjson", f'line {line_no} must be an object with a string "text"')
+        try:
+            check_text(item["text"], f"line {line_no}")
+        except BadTextError as exc:
+            raise _NdjsonError(exc.code, str(exc)) from None
         total += len(item["text"])
         if total > limit:
             raise _NdjsonError("text_too_long", f"streamed text passed the limit of {limit} characters")
         yield item["text"]
 
 
-STREAM_ERRORS = {"bad_ndjson": 400, "text_too_long": 413, "ndjson_too_large": 413, "text_idle_timeout": 408}
+STREAM_ERRORS = {
+    "bad_ndjson": 400,
+    "bad_text": 400,
+    "text_too_long": 413,
+    "ndjson_too_large": 413,
+    "text_idle_timeout": 408,
+}
 
 
 async def _speak_stream(request: web.Request, call: Call) -> web.Response:
@@ -207,7 +237,7 @@ async def _speak_stream(request: web.Request, call: Call) -> web.Response:
     The utterance id is known at once: it goes out as `speech.queued` on the data channel and SSE.
     """
     voice = request.query.get("voice") or None
-    interrupt = request.query.get("interrupt", "false").lower() in ("1", "true", "yes")
+    interrupt = _query_bool(request, "interrupt")
     if voice:
         _registry(request).check_voice(voice)
     limits = call.config.limits

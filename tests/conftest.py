@@ -1,7 +1,11 @@
-"""Shared fixtures: where the reference vectors live, a tiny official-layout model directory."""
+"""Shared fixtures: where the reference vectors live, a tiny official-layout model directory, and the
+suite-wide guard that fails a test whose code logged an unexpected traceback."""
 
 from __future__ import annotations
 
+import gc
+import logging
+import re
 import shutil
 import subprocess
 import sys
@@ -26,6 +30,74 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# --- no unexpected tracebacks (every test) ----------------------------------------------------------
+
+
+class _ErrorRecords(logging.Handler):
+    """Collects ERROR records that carry a traceback, and asyncio's "... exception was never retrieved"."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info or "never retrieved" in record.getMessage():
+            self.records.append(record)
+
+
+class ExpectedErrors:
+    """What a test declares it provokes: `allow(pattern)` lets matching ERROR tracebacks through."""
+
+    def __init__(self, patterns: tuple[str, ...] = ()) -> None:
+        self.patterns = list(patterns)
+        self.allow_all = False
+
+    def allow(self, pattern: str = "") -> None:
+        """Allow records whose message or exception matches `pattern` (a regex; "" = any)."""
+        if pattern:
+            self.patterns.append(pattern)
+        else:
+            self.allow_all = True
+
+    def expected(self, record: logging.LogRecord) -> bool:
+        if self.allow_all:
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        text = f"{record.getMessage()}\n{type(exc).__name__ if exc else ''}: {exc or ''}"
+        return any(re.search(p, text) for p in self.patterns)
+
+
+@pytest.fixture
+def expected_errors(request) -> ExpectedErrors:
+    """Opt-out for a test that provokes errors on purpose: `expected_errors.allow("pattern")`."""
+    return request.node._expected_errors
+
+
+@pytest.fixture(autouse=True)
+def no_unexpected_tracebacks(request):
+    """Fail a test whose code logged an ERROR with a traceback, or an unretrieved task exception,
+    that it did not declare (`@pytest.mark.expected_errors("regex", ...)` or the `expected_errors`
+    fixture). Garbage is collected first, so tasks dropped by the test report before the check."""
+    marker = request.node.get_closest_marker("expected_errors")
+    expected = ExpectedErrors(tuple(marker.args) if marker else ())
+    if marker is not None and not marker.args:
+        expected.allow()
+    request.node._expected_errors = expected
+    handler = _ErrorRecords()
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield
+        gc.collect()
+    finally:
+        root.removeHandler(handler)
+    unexpected = [r for r in handler.records if not expected.expected(r)]
+    if unexpected:
+        formatter = logging.Formatter("%(levelname)s %(name)s: %(message)s")
+        shown = "\n\n".join(formatter.format(r) for r in unexpected[:3])
+        pytest.fail(f"{len(unexpected)} unexpected error record(s) logged:\n{shown}", pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 import socket
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
-from call_helpers import PeerClient, fake_config
+from api_helpers import api, expect_error, open_call
+from call_helpers import PeerClient
 
-from signaling.app import ENGINE, create_app, http_url
+from signaling.app import ENGINE, http_url
 from signaling.routes import REGISTRY
 from voicertc.webrtc import patch_aioice_loopback
 from voicertc.webrtc.call import Call
@@ -23,50 +22,6 @@ def loopback_ice():
     restore = patch_aioice_loopback()
     yield
     restore()
-
-
-@contextlib.asynccontextmanager
-async def api(**sections):
-    client = TestClient(TestServer(create_app(fake_config(**sections))))
-    await client.start_server()
-    peers: list[PeerClient] = []
-    client.peers = peers  # type: ignore[attr-defined]
-    try:
-        yield client
-    finally:
-        for peer in peers:
-            await peer.close()
-        await client.close()
-
-
-async def open_call(client, as_json: bool = False) -> tuple[str, PeerClient]:
-    peer = PeerClient()
-    client.peers.append(peer)
-    offer = await peer.offer()
-    if as_json:
-        resp = await client.post("/v1/calls", json={"sdp": offer, "type": "offer"})
-        assert resp.status == 201, await resp.text()
-        body = await resp.json()
-        assert body["type"] == "answer"
-        call_id, answer = body["id"], body["sdp"]
-    else:
-        resp = await client.post("/v1/calls", data=offer, headers={"Content-Type": "application/sdp"})
-        assert resp.status == 201, await resp.text()
-        assert resp.content_type == "application/sdp"
-        answer = await resp.text()
-        call_id = resp.headers["Location"].rsplit("/", 1)[1]
-    assert resp.headers["Location"] == f"/v1/calls/{call_id}"
-    await peer.accept(answer)
-    await peer.wait_open()
-    return call_id, peer
-
-
-async def expect_error(resp, status: int, code: str) -> dict:
-    assert resp.status == status, await resp.text()
-    body = await resp.json()
-    assert body["error"]["code"] == code
-    assert body["error"]["message"]
-    return body
 
 
 async def test_create_speak_interrupt_hang_up():

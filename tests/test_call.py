@@ -131,6 +131,7 @@ async def test_data_channel_speak_interrupt_and_bad_messages():
         assert not call.closed.is_set()
 
 
+@pytest.mark.expected_errors("fake engine failure")
 async def test_engine_failure_is_an_error_event_and_the_call_stays_up():
     async with call_pair(fake={"fail_after_chunks": 1}) as (call, client, _engine):
         handle = call.speak("This will fail after one chunk of audio, for sure. " * 3)

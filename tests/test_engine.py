@@ -142,6 +142,7 @@ def test_a_backend_load_error_is_raised_by_start():
         eng.say(None, RecordingSink(), EventLog(), "hello")
 
 
+@pytest.mark.expected_errors("fake engine failure")
 def test_failing_utterance_leaves_a_concurrent_one_intact():
     eng = FakeEngine(FakeConfig(ttfa_ms=0, rtf=0.0, chunk_ms=100, fail_after_chunks=3))
     eng.start()

@@ -21,6 +21,7 @@ from voicertc.audio import PcmRing, RingSink
 from voicertc.config import Config
 from voicertc.engine.protocol import Engine
 from voicertc.errors import VoiceRTCError
+from voicertc.validate import BadJsonError, parse_json
 from voicertc.webrtc.loopback import loopback_only_sdp
 from voicertc.webrtc.speech import ClientEvent, SpeechHandle, SpeechQueue
 from voicertc.webrtc.track import PlayoutEvent, SpeechTrack
@@ -206,11 +207,14 @@ class Call:
     def _on_message(self, message: str | bytes) -> None:
         self.last_ping_s = self.loop.time()
         try:
-            data = json.loads(message)
-            kind = data.get("type") if isinstance(data, dict) else None
-        except (ValueError, UnicodeDecodeError):
+            data = parse_json(message, "data channel message")
+        except BadJsonError as exc:
+            self._emit(_error("bad_message", f"data channel messages must be JSON objects ({exc})"))
+            return
+        if not isinstance(data, dict):
             self._emit(_error("bad_message", "data channel messages must be JSON objects"))
             return
+        kind = data.get("type")
         try:
             self._dispatch(kind, data)
         except VoiceRTCError as exc:

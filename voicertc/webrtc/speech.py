@@ -18,6 +18,7 @@ from typing import Any
 from voicertc.config import LimitsConfig
 from voicertc.engine.protocol import AudioSink, Cancelled, Done, Engine, EngineEvent, Failed, FirstAudio
 from voicertc.errors import EngineStoppedError, InputError, VoiceRTCError
+from voicertc.validate import check_text
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ class SpeechQueue:
                 raise InputError("empty text: nothing to speak")
             if len(text) > self.max_text_chars:
                 raise TextTooLongError(f"text too long: {len(text)} characters (limit {self.max_text_chars})")
+            check_text(text)
         if not getattr(self.engine, "running", True):
             raise EngineStoppedError("the engine is not running")
         resolve_voice = getattr(self.engine, "resolve_voice", None)
@@ -155,6 +157,7 @@ class SpeechQueue:
             return
         if not isinstance(delta, str):
             raise InputError(f"text delta must be a string, got {type(delta).__name__}")
+        check_text(delta, "text delta")
         handle.text_chars += len(delta)
         if handle.text_chars > self.max_text_chars:
             self.fail(handle, "text_too_long", f"text too long: more than {self.max_text_chars} characters")

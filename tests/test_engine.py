@@ -78,6 +78,7 @@ class FailsOnSilence(FakeBackend):
         return super().step(utt, now_s)
 
 
+@pytest.mark.expected_errors("boom in the middle")
 def test_failure_mid_utterance_leaves_a_concurrent_streaming_one_intact():
     eng = EngineWorker(FailsOnSilence(FakeConfig(ttfa_ms=0, rtf=0.05, chunk_ms=100)))
     eng.start()

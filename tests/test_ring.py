@@ -95,6 +95,7 @@ def test_high_water_and_space_listener():
     assert calls == [470, 0]
 
 
+@pytest.mark.expected_errors("ZeroDivisionError")
 def test_space_listener_errors_do_not_escape():
     ring = small_ring()
     ring.set_space_listener(lambda: 1 / 0)

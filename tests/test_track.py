@@ -191,6 +191,7 @@ async def test_interrupt_when_idle_and_cut_at_next_utterance():
     assert [e.kind for e in events] == ["started", "done"]
 
 
+@pytest.mark.expected_errors("boom")
 async def test_recv_never_raises_except_after_stop():
     track, ring, _ = make_track()
 
@@ -205,6 +206,7 @@ async def test_recv_never_raises_except_after_stop():
         await track.recv()
 
 
+@pytest.mark.expected_errors("listener bug")
 async def test_callback_errors_are_isolated():
     def bad_callback(event):
         raise ValueError("listener bug")

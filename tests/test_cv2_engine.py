@@ -94,7 +94,6 @@ def test_text_without_tokens_is_done_without_audio(model, golden_dir):
     assert sinks["u1"].samples("u1").size == 0
 
 
-@pytest.mark.expected_errors("started_s")  # the worker race of issue 11 (finding 7): core removes this
 def test_cancel_frees_every_cache(model, golden_dir, monkeypatch):
     streams = _track_streams(model, monkeypatch)
     backend = make_backend(model, golden_dir, max_segment_tokens=400)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
@@ -35,6 +35,9 @@ from voicertc.backends.cosyvoice2.llm import (
     Qwen2LM,
 )
 from voicertc.backends.cosyvoice2.sampling import SamplingMode, sample_token
+
+if TYPE_CHECKING:
+    from voicertc.backends.cosyvoice2.llm_batch import KVSlot
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +129,7 @@ class BistreamSession:
     text_queue: list[int]
     sampling: SamplingMode = "ras"
     generator: torch.Generator | None = None
-    cache: DynamicCache = field(default_factory=DynamicCache)
+    cache: DynamicCache | KVSlot = field(default_factory=DynamicCache)
     pending: list[Segment] = field(default_factory=lambda: [Segment("sos")])
     out_tokens: list[int] = field(default_factory=list)  # includes fills, as the official loop counts
     next_fill_index: int = 0
@@ -148,7 +151,11 @@ class BistreamSession:
         *,
         sampling: SamplingMode = "ras",
         generator: torch.Generator | None = None,
+        kv: KVSlot | None = None,
     ) -> BistreamSession:
+        """A session on a fresh `DynamicCache`, or on `kv` (a `SlotKV` row, emptied) for batched decode."""
+        if kv is not None:
+            kv.length = 0
         n_speech = llm.config.mix_ratio[1]
         n_prompt = len(prompt_speech_tokens)
         return cls(
@@ -158,6 +165,7 @@ class BistreamSession:
             sampling=sampling,
             generator=generator,
             next_fill_index=(n_prompt // n_speech + 1) * n_speech - n_prompt,
+            **({"cache": kv} if kv is not None else {}),  # type: ignore[arg-type]
         )
 
     def push_text(self, text_tokens: Sequence[int]) -> None:
@@ -197,6 +205,14 @@ class BistreamSession:
 
         `force` replaces a sampled id (tests); a fill due at `next_fill_index` takes precedence.
         """
+        embeds = self.prepare()
+        if embeds is None:
+            return None
+        self.logits = self.llm.feed(self.cache, embeds)
+        return self.accept(force=force)
+
+    def prepare(self) -> Tensor | None:
+        """The input embeddings [1, T, H] of the next forward (taking text if awaited), or None (none now)."""
         if self.finished:
             return None
         if self.awaiting_text:
@@ -204,9 +220,13 @@ class BistreamSession:
             if plan is None:
                 return None
             self._take(plan)
-        self.logits = self.llm.feed(self.cache, embed_segments(self.llm, self.pending))
+        embeds = embed_segments(self.llm, self.pending)
         self.fed.extend(self.pending)
         self.pending = []
+        return embeds
+
+    def accept(self, *, force: int | None = None) -> int | None:
+        """The token for `self.logits` (just computed for `prepare()`'s input); see `step`."""
         token = self._choose(force)
         if token == FILL_ID and not self.final:
             self.next_fill_index = len(self.out_tokens) + self.llm.config.mix_ratio[1] + 1

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +27,9 @@ from transformers.cache_utils import DynamicCache
 from voicertc.backends.cosyvoice2.checkpoint import check_layout
 from voicertc.backends.cosyvoice2.sampling import SamplingMode, SamplingParams, sample_token
 from voicertc.errors import ModelDirError
+
+if TYPE_CHECKING:
+    from voicertc.backends.cosyvoice2.llm_batch import KVSlot
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +118,7 @@ class LlmSession:
     (the whole prompt before the first step, then the embedding of the last emitted token).
     """
 
-    cache: DynamicCache
+    cache: DynamicCache | KVSlot
     pending: Tensor | None
     min_len: int
     max_len: int
@@ -238,11 +241,13 @@ class Qwen2LM(nn.Module):
         sampling: SamplingMode = "ras",
         generator: torch.Generator | None = None,
         prefix: PrefixCache | None = None,
+        kv: KVSlot | None = None,
     ) -> LlmSession:
         """A new session for one utterance; min/max length are 2x/20x the text tokens (prompt excluded).
 
         With `prefix` (from `prefix_cache` of the same prompt text) the shared [sos, prompt_text] part is
-        not recomputed; the first `step` then feeds only [text, task_id, prompt_speech].
+        not recomputed; the first `step` then feeds only [text, task_id, prompt_speech]. With `kv` (a row of
+        a `SlotKV`) the session decodes on that row, so `decode_batch` can batch it with others.
         """
         n_text = self._ids(text_tokens, "text token", self.text_vocab_size).numel()
         if prefix is not None:
@@ -257,10 +262,18 @@ class Qwen2LM(nn.Module):
                 ],
                 dim=1,
             )
-            cache = copy.deepcopy(prefix.cache)
+            cache: DynamicCache | KVSlot
+            if kv is not None:
+                kv.load(prefix.cache)
+                cache = kv
+            else:
+                cache = copy.deepcopy(prefix.cache)
         else:
             pending = self.lm_input(text_tokens, prompt_text_tokens, prompt_speech_tokens)
             cache = DynamicCache()
+            if kv is not None:
+                kv.length = 0
+                cache = kv
         if sampling not in ("ras", "greedy"):
             raise ValueError(f"unknown sampling mode {sampling!r} (expected 'ras' or 'greedy')")
         return LlmSession(
@@ -273,9 +286,12 @@ class Qwen2LM(nn.Module):
         )
 
     @torch.inference_mode()
-    def feed(self, session_cache: DynamicCache, embeds: Tensor) -> Tensor:
+    def feed(self, session_cache: DynamicCache | KVSlot, embeds: Tensor) -> Tensor:
         """Run `embeds` [1, T, H] through the backbone on `session_cache`; raw logits [V] of the last one."""
-        hidden = self.llm(embeds, session_cache)
+        if isinstance(session_cache, DynamicCache):
+            hidden = self.llm(embeds, session_cache)
+        else:
+            hidden = session_cache.feed(embeds)
         return self.llm_decoder(hidden[0, -1])
 
     @torch.inference_mode()
@@ -289,6 +305,10 @@ class Qwen2LM(nn.Module):
         if session.pending is not None:
             session.logits = self.feed(session.cache, session.pending)
             session.pending = None
+        return self.accept(session, force=force)
+
+    def accept(self, session: LlmSession, *, force: int | None = None) -> int | None:
+        """Pick the next token from `session.logits` (the input fed); see `step`."""
         assert session.logits is not None
         if force is None:
             ban = (EOS_ID,) if session.step_index < session.min_len else ()

@@ -1,0 +1,240 @@
+"""Batched LLM decode over a static, slot-based KV cache (CosyVoice2 `Qwen2LM` backbone).
+
+Runs on the engine thread. `SlotKV` preallocates keys/values for `slots` utterances x `capacity`
+positions ([layers, slots, kv_heads, capacity, head_dim]); each utterance holds one `KVSlot` (its row and
+its own length) for the life of its LLM session. `SlotKV.forward` runs the Qwen2 layers for several slots
+at once with ragged positions: each row's new keys/values are written at that row's length, and each
+query attends only to its own row's first `length + t + 1` positions (a boolean mask), so a batch of
+utterances at different positions computes exactly what each would alone.
+
+Shapes stay static while nothing outgrows the pool (slots and capacity double when they must, which is
+what a CUDA-graph capture per batch bucket would key on). The transformers modules are used for their
+weights and their RMSNorm / MLP / rotary code; only the attention over the slot cache is ours.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers.cache_utils import DynamicCache
+from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+from voicertc.backends.cosyvoice2.bistream import BistreamSession
+from voicertc.backends.cosyvoice2.llm import LlmSession, Qwen2LM
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class KVSlot:
+    """One utterance's row of a `SlotKV`; `length` = positions filled. Released exactly once."""
+
+    pool: SlotKV
+    index: int
+    length: int = 0
+    released: bool = False
+
+    def feed(self, embeds: Tensor) -> Tensor:
+        """Run `embeds` [1, T, H] on this row; the hidden states [1, T, H] after the final norm."""
+        return self.pool.forward([self], embeds)
+
+    def load(self, cache: DynamicCache) -> None:
+        """Copy a transformers cache (a voice's prefix) into this row, replacing what it held."""
+        self.pool.load(self, cache)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.pool.free(self)
+
+
+class SlotKV:
+    """The static K/V pool of one backbone (`Qwen2ForCausalLM.model`). Owned by the engine thread."""
+
+    def __init__(
+        self,
+        backbone: torch.nn.Module,
+        slots: int = 16,
+        capacity: int = 1024,
+    ) -> None:
+        cfg = backbone.config
+        self.backbone = backbone
+        self.layers = int(cfg.num_hidden_layers)
+        self.heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(cfg.num_key_value_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        weight = backbone.embed_tokens.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.k = self._zeros(slots, capacity)
+        self.v = self._zeros(slots, capacity)
+        self._free = list(range(slots - 1, -1, -1))
+        self.grows = 0
+
+    def _zeros(self, slots: int, capacity: int) -> Tensor:
+        shape = (self.layers, slots, self.kv_heads, capacity, self.head_dim)
+        return torch.zeros(shape, device=self.device, dtype=self.dtype)
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def in_use(self) -> int:
+        return self.slots - len(self._free)
+
+    def acquire(self) -> KVSlot:
+        """A free row (the pool doubles its slots when none is left)."""
+        if not self._free:
+            self._resize(self.slots * 2, self.capacity)
+        return KVSlot(self, self._free.pop())
+
+    def free(self, slot: KVSlot) -> None:
+        self._free.append(slot.index)
+
+    def _resize(self, slots: int, capacity: int) -> None:
+        old_slots, old_cap = self.slots, self.capacity
+        k, v = self._zeros(slots, capacity), self._zeros(slots, capacity)
+        k[:, :old_slots, :, :old_cap] = self.k
+        v[:, :old_slots, :, :old_cap] = self.v
+        self.k, self.v = k, v
+        self._free = list(range(slots - 1, old_slots - 1, -1)) + self._free
+        self.grows += 1
+        logger.info("LLM slot cache grown to %d slots x %d positions", slots, capacity)
+
+    def _ensure_capacity(self, needed: int) -> None:
+        if needed > self.capacity:
+            capacity = self.capacity
+            while capacity < needed:
+                capacity *= 2
+            self._resize(self.slots, capacity)
+
+    def load(self, slot: KVSlot, cache: DynamicCache) -> None:
+        length = cache.get_seq_length()
+        self._ensure_capacity(length)
+        for i, layer in enumerate(cache.layers):
+            self.k[i, slot.index, :, :length] = layer.keys[0]
+            self.v[i, slot.index, :, :length] = layer.values[0]
+        slot.length = length
+
+    @torch.inference_mode()
+    def forward(self, rows: list[KVSlot], embeds: Tensor) -> Tensor:
+        """One forward of `embeds` [B, T, H] (row b on `rows[b]`); each row's length grows by T."""
+        if len(rows) != embeds.shape[0]:
+            raise ValueError(f"{len(rows)} slots for a batch of {embeds.shape[0]}")
+        if any(r.released or r.pool is not self for r in rows):
+            raise ValueError("a released or foreign KV slot")
+        n_new = embeds.shape[1]
+        starts = torch.tensor([r.length for r in rows], device=self.device)
+        self._ensure_capacity(int(starts.max()) + n_new)
+        span = int(starts.max()) + n_new  # keys every row may need: [0, span)
+        offsets = torch.arange(n_new, device=self.device)
+        positions = starts[:, None] + offsets[None, :]  # [B, T]
+        keys = torch.arange(span, device=self.device)
+        mask = keys[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, span]
+        index = torch.tensor([r.index for r in rows], device=self.device)
+        bb = self.backbone
+        hidden = embeds.to(self.dtype)
+        cos, sin = bb.rotary_emb(hidden, positions)
+        for i, layer in enumerate(bb.layers[: self.layers]):
+            residual = hidden
+            x = layer.input_layernorm(hidden)
+            hidden = residual + self._attention(layer.self_attn, x, cos, sin, i, index, positions, span, mask)
+            residual = hidden
+            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        for r in rows:
+            r.length += n_new
+        return bb.norm(hidden)
+
+    def _attention(
+        self,
+        attn: torch.nn.Module,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        layer: int,
+        index: Tensor,
+        positions: Tensor,
+        span: int,
+        mask: Tensor,
+    ) -> Tensor:
+        # x: [B, T, H] -> [B, T, H]
+        batch, n_new, _ = x.shape
+        q = attn.q_proj(x).view(batch, n_new, self.heads, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(batch, n_new, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(batch, n_new, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        rows = index[:, None].expand(batch, n_new)
+        # advanced indexing on (slot, position) puts those dims first: [B, T, kv_heads, D]
+        self.k[layer][rows, :, positions] = k.transpose(1, 2)
+        self.v[layer][rows, :, positions] = v.transpose(1, 2)
+        keys = self.k[layer, index, :, :span]  # [B, kv_heads, span, D]
+        values = self.v[layer, index, :, :span]
+        groups = self.heads // self.kv_heads
+        if groups > 1:
+            keys = keys.repeat_interleave(groups, dim=1)
+            values = values.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling)
+        return attn.o_proj(out.transpose(1, 2).reshape(batch, n_new, -1))
+
+
+DecodeResult = int | None | BaseException
+
+
+def _prepare(session: LlmSession | BistreamSession) -> Tensor | None:
+    """The input the session feeds next (taken from it), or None when it feeds nothing now."""
+    if isinstance(session, BistreamSession):
+        return session.prepare()
+    if session.finished:
+        return None
+    embeds, session.pending = session.pending, None
+    return embeds
+
+
+@torch.inference_mode()
+def decode_batch(llm: Qwen2LM, sessions: list[LlmSession | BistreamSession]) -> list[DecodeResult]:
+    """One LLM step for every session (a token, None, or that session's exception).
+
+    Rows that feed one position on a `SlotKV` row share one batched forward; anything else (a prompt, a
+    bistream text segment, a `DynamicCache` session) is fed alone. Each row samples with its own generator,
+    so the tokens are those each session would draw alone.
+    """
+    results: list[DecodeResult] = [None] * len(sessions)
+    fed: list[int] = []
+    batch: list[tuple[int, KVSlot, Tensor]] = []
+    for i, session in enumerate(sessions):
+        try:
+            embeds = _prepare(session)
+            if embeds is None:
+                continue
+            if isinstance(session.cache, KVSlot) and embeds.shape[1] == 1:
+                batch.append((i, session.cache, embeds))
+                continue
+            session.logits = llm.feed(session.cache, embeds)
+            fed.append(i)
+        except Exception as exc:  # noqa: BLE001 - isolated per session
+            results[i] = exc
+    if batch:
+        rows = [b[1] for b in batch]
+        hidden = rows[0].pool.forward(rows, torch.cat([b[2] for b in batch], dim=0))
+        logits = llm.llm_decoder(hidden[:, -1])
+        for row, (i, _, _) in enumerate(batch):
+            sessions[i].logits = logits[row]
+            fed.append(i)
+    for i in sorted(fed):
+        session = sessions[i]
+        try:
+            results[i] = session.accept() if isinstance(session, BistreamSession) else llm.accept(session)
+        except Exception as exc:  # noqa: BLE001 - isolated per session
+            results[i] = exc
+    return results

@@ -24,11 +24,11 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e ".[cpu-voice,cosyvoice]"
+	$(BIN)/python -m pip install -q -e ".[cpu-voice,cosyvoice,listen]"
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(BIN)/python -m pip install -q -e ".[cpu-voice,cosyvoice,scale,dev]"
+	$(BIN)/python -m pip install -q -e ".[cpu-voice,cosyvoice,scale,listen,dev]"
 	touch $@
 
 # Debian's Chromium for the browser tests (never a downloaded browser).

@@ -27,6 +27,7 @@ from voicertc.config import Config
 from voicertc.engine.factory import create_engine
 from voicertc.engine.protocol import Engine
 from voicertc.errors import ConfigError, EngineStoppedError
+from voicertc.listen.models import load_listen_models
 from voicertc.webrtc.loopback import patch_aioice_loopback
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ def create_app(config: Config, engine: Engine | None = None) -> web.Application:
     async def start_engine(_app: web.Application) -> None:
         if config.webrtc.loopback_only:
             restore_ice.append(patch_aioice_loopback())  # offer 127.0.0.1 (aioice skips it by default)
+        # [listen] models first: one that does not load stops the start (ConfigError naming the package)
+        await asyncio.get_running_loop().run_in_executor(None, load_listen_models, config.listen)
         loading = asyncio.get_running_loop().run_in_executor(None, engine.start)  # loads models off the loop
         app[ENGINE_START] = loading
         if not config.engine.load_in_background:

@@ -13,6 +13,9 @@ CALL_COUNTERS = {
     "interrupts": "Interrupts (barge-ins) that cut an utterance.",
     "underrun_frames": "Silence frames sent while an utterance was playing.",
     "frames_sent": "Audio frames sent.",
+    "barge_ins": "Utterances cut because the caller spoke ([listen] barge_in).",
+    "user_speech_segments": "Caller speech segments detected (user.speech.started).",
+    "inbound_dropped_frames": "16 kHz microphone frames dropped because a reader fell behind.",
 }
 TTFA_BUCKETS_S = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0)
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)

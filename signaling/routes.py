@@ -100,10 +100,13 @@ async def create_call(request: web.Request) -> web.Response:
     # Behind a load balancer the call lives on this front-end: later requests must reach it here.
     location = f"{call.config.server.public_url.rstrip('/')}/v1/calls/{call.call_id}"
     headers = {"Location": location}
+    if call.ignored_media:  # e.g. video: answered inactive, audio only
+        headers["X-Ignored-Media"] = ", ".join(call.ignored_media)
     if as_json:
-        return web.json_response(
-            {"id": call.call_id, "sdp": answer, "type": "answer"}, status=201, headers=headers
-        )
+        body = {"id": call.call_id, "sdp": answer, "type": "answer"}
+        if call.ignored_media:
+            body["ignored_media"] = list(call.ignored_media)
+        return web.json_response(body, status=201, headers=headers)
     return web.Response(status=201, text=answer, content_type="application/sdp", headers=headers)
 
 

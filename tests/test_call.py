@@ -103,11 +103,15 @@ async def test_interrupt_stops_audio_and_drops_the_queue():
         utterance_id, played_ms = call.interrupt()
         assert utterance_id == long.utterance_id
         assert 300 < played_ms < 3000
-        assert (await long.done()) == {
+        cut = await long.done()
+        heard = cut.pop("heard_text")
+        assert cut == {
             "type": "speech.interrupted",
             "utterance_id": long.utterance_id,
             "played_ms": round(played_ms, 1),
         }
+        # what was heard: the text of the chunks that had started playing, a prefix of what was said
+        assert heard and ("This is a long utterance. " * 20).startswith(heard)
         assert (await queued.done())["played_ms"] == 0.0
         await asyncio.sleep(0.4)  # the fade and frames in flight
         heard = len(client.pcm)
@@ -227,8 +231,8 @@ async def test_a_text_stream_that_goes_silent_fails_and_frees_the_queue():
         assert (await asyncio.wait_for(after.done(), 10))["type"] == "speech.done"
 
 
-async def test_a_sendrecv_offer_is_answered_sendonly_and_its_mic_is_not_buffered():
-    async with call_pair(mic=True) as (call, client, _engine):
+async def test_with_listening_off_a_sendrecv_offer_is_answered_sendonly_and_its_mic_is_not_buffered():
+    async with call_pair(mic=True, listen={"enabled": False}) as (call, client, _engine):
         audio_section = call.pc.localDescription.sdp.split("m=audio", 1)[1].split("m=", 1)[0]
         assert "a=sendonly" in audio_section
         handle = call.speak("Heard while the browser's mic is on.")
@@ -238,6 +242,19 @@ async def test_a_sendrecv_offer_is_answered_sendonly_and_its_mic_is_not_buffered
         for transceiver in call.pc.getTransceivers():
             track = transceiver.receiver.track
             assert track is None or track._queue.qsize() == 0  # nothing decoded from the peer
+        assert call.listener is None
+
+
+async def test_with_listening_on_a_sendrecv_offer_is_answered_sendrecv_and_its_mic_is_drained():
+    async with call_pair(mic=True, listen={"transcribe": False}) as (call, client, _engine):
+        audio_section = call.pc.localDescription.sdp.split("m=audio", 1)[1].split("m=", 1)[0]
+        assert "a=sendrecv" in audio_section
+        handle = call.speak("Heard while the browser's mic is on.")
+        assert (await handle.done())["type"] == "speech.done"
+        assert call.listener is not None and call.listener.frames_received > 10
+        for transceiver in call.pc.getTransceivers():
+            track = transceiver.receiver.track
+            assert track is None or track._queue.qsize() < 5  # read as it arrives, never piling up
 
 
 async def test_a_slow_event_subscriber_is_dropped_not_buffered():

@@ -168,6 +168,73 @@ class AuthConfig:
         _check(all(t.strip() for t in self.tokens), "auth.tokens", "must not contain empty tokens")
 
 
+BARGE_IN_MODES = ("off", "speech", "words")
+DEFAULT_BACKCHANNELS = (
+    "mhm",
+    "mm",
+    "mmhm",
+    "uh-huh",
+    "uh huh",
+    "hmm",
+    "hm",
+    "yeah",
+    "yes",
+    "yep",
+    "okay",
+    "ok",
+    "right",
+    "sure",
+    "alright",
+    "got it",
+    "i see",
+    "uh",
+    "um",
+    "ah",
+    "oh",
+)
+
+
+@dataclass(frozen=True)
+class ListenConfig:
+    enabled: bool = True
+    threshold: float = 0.5
+    min_level_dbfs: float = -50.0
+    min_speech_ms: int = 200
+    min_silence_ms: int = 300
+    speech_pad_ms: int = 60
+    barge_in: str = "speech"
+    backchannels: tuple[str, ...] = DEFAULT_BACKCHANNELS
+    transcribe: bool = True
+    whisper_threads: int = 1
+    partial_every_ms: int = 400
+    max_segment_s: float = 30.0
+    inbound_buffer_ms: int = 2000
+    ws_stall_timeout_s: float = 2.0
+
+    def validate(self) -> None:
+        _check(0.05 <= self.threshold <= 0.95, "listen.threshold", "must be 0.05..0.95")
+        _check(-90 <= self.min_level_dbfs <= -10, "listen.min_level_dbfs", "must be -90..-10")
+        _check(32 <= self.min_speech_ms <= 5000, "listen.min_speech_ms", "must be 32..5000")
+        _check(32 <= self.min_silence_ms <= 5000, "listen.min_silence_ms", "must be 32..5000")
+        _check(0 <= self.speech_pad_ms <= 1000, "listen.speech_pad_ms", "must be 0..1000")
+        _check(
+            self.barge_in in BARGE_IN_MODES, "listen.barge_in", f"must be one of {', '.join(BARGE_IN_MODES)}"
+        )
+        _check(
+            all(w.strip() for w in self.backchannels), "listen.backchannels", "must not contain empty words"
+        )
+        _check(
+            self.barge_in != "words" or self.transcribe,
+            "listen.barge_in",
+            '"words" needs listen.transcribe = true (the words come from the transcript)',
+        )
+        _check(1 <= self.whisper_threads <= 16, "listen.whisper_threads", "must be 1..16")
+        _check(100 <= self.partial_every_ms <= 5000, "listen.partial_every_ms", "must be 100..5000")
+        _check(1 <= self.max_segment_s <= 120, "listen.max_segment_s", "must be 1..120")
+        _check(100 <= self.inbound_buffer_ms <= 60_000, "listen.inbound_buffer_ms", "must be 100..60000")
+        _check(0.1 <= self.ws_stall_timeout_s <= 60, "listen.ws_stall_timeout_s", "must be 0.1..60")
+
+
 @dataclass(frozen=True)
 class LoggingConfig:
     level: str = "INFO"
@@ -232,6 +299,7 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    listen: ListenConfig = field(default_factory=ListenConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def replace(self, section: str, **values: Any) -> Config:

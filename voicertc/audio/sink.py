@@ -9,6 +9,8 @@ utterance's first piece loses its leading near-silence (at most `trim_leading_ms
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +21,8 @@ from voicertc.audio.ring import PcmRing
 from voicertc.audio.trim import leading_trim_samples
 
 logger = logging.getLogger(__name__)
+
+MAX_TEXT_MARKED_UTTERANCES = 64  # utterances whose text marks are kept for heard_text
 
 
 @dataclass
@@ -40,6 +44,10 @@ class RingSink:
         self._quality = quality
         self.trim_leading_ms = trim_leading_ms
         self._streams: dict[str, _UtteranceStream] = {}
+        # heard_text: per utterance, (48 kHz samples written before the text's audio, text)
+        self._text_lock = threading.Lock()
+        self._marks: OrderedDict[str, list[tuple[int, str]]] = OrderedDict()
+        self._written: dict[str, int] = {}
 
     @property
     def generation(self) -> int:
@@ -67,11 +75,41 @@ class RingSink:
                 pcm = pcm[cut:]
         stream = self._stream_for(utterance_id, int(sample_rate_hz), generation)
         pcm_48k = stream.resampler.process(pcm)
-        return self.ring.write(float_to_int16(pcm_48k), utterance_id, generation)
+        written = self.ring.write(float_to_int16(pcm_48k), utterance_id, generation)
+        if written:
+            self._written[utterance_id] = self._written.get(utterance_id, 0) + pcm_48k.size
+        return written
+
+    def mark_text(self, utterance_id: str, generation: int, text: str) -> None:
+        """Engine thread: the audio written next for this utterance speaks `text` (SynthStep.text)."""
+        if generation != self.ring.generation or not text:
+            return
+        with self._text_lock:
+            marks = self._marks.get(utterance_id)
+            if marks is None:
+                marks = self._marks[utterance_id] = []
+                while len(self._marks) > MAX_TEXT_MARKED_UTTERANCES:
+                    self._marks.popitem(last=False)
+            marks.append((self._written.get(utterance_id, 0), text))
+
+    def heard_text(self, utterance_id: str | None, played_ms: float) -> str:
+        """The text of every chunk of the utterance whose audio had started playing after `played_ms`
+        (chunk granularity: what the backend marked). "" when nothing was marked or played."""
+        if utterance_id is None or played_ms <= 0:
+            return ""
+        played = int(played_ms * self.ring.sample_rate_hz / 1000)
+        with self._text_lock:
+            marks = list(self._marks.get(utterance_id, ()))
+        return " ".join(text for start, text in marks if start < played)
+
+    def forget_text(self, utterance_id: str) -> None:
+        with self._text_lock:
+            self._marks.pop(utterance_id, None)
 
     def end_utterance(self, utterance_id: str, generation: int) -> None:
         """Flush the utterance's resampler into the ring and queue its end mark."""
         stream = self._streams.pop(utterance_id, None)
+        self._written.pop(utterance_id, None)
         if generation != self.ring.generation:
             return
         if stream is not None and stream.generation == generation:
@@ -84,6 +122,7 @@ class RingSink:
         """The utterance ends early (failed or cancelled): drop its resampler state, mark its end so
         playback stops counting it as playing once its queued audio has gone out."""
         self._streams.pop(utterance_id, None)
+        self._written.pop(utterance_id, None)
         self.ring.end_utterance(utterance_id, generation)
 
     def _stream_for(self, utterance_id: str, sample_rate_hz: int, generation: int) -> _UtteranceStream:

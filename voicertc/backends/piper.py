@@ -121,8 +121,10 @@ class PiperBackend:
         state: _PiperState = utt.backend_state
         split = self._next_chunk(utt)
         pcm: list[np.ndarray] = []
+        text = ""
         if split is not None:
             chunk, utt.text = split
+            text = chunk
             state.chunks_done += 1
             if has_speech(chunk):
                 pcm = self.synthesize(chunk)
@@ -130,7 +132,7 @@ class PiperBackend:
                     "utterance %s: piper chunk %d (%d chars)", utt.utterance_id, state.chunks_done, len(chunk)
                 )
         done = utt.input_ended and not utt.text.strip()
-        return SynthStep(pcm=pcm, sample_rate_hz=self.sample_rate_hz, done=done)
+        return SynthStep(pcm=pcm, sample_rate_hz=self.sample_rate_hz, done=done, text=text)
 
     def synthesize(self, text: str) -> list[np.ndarray]:
         """Float32 PCM at `sample_rate_hz`, one array per sentence Piper finds in `text`."""

@@ -20,6 +20,7 @@ class SynthStep:
     pcm: list[np.ndarray] = field(default_factory=list)  # float32 mono pieces in [-1, 1]
     sample_rate_hz: int = 0
     done: bool = False  # no more audio will come for this utterance
+    text: str = ""  # the text this step's audio speaks ("" = unknown / none); feeds heard_text
 
 
 class Backend(Protocol):

@@ -8,7 +8,7 @@ kept by `wake_at`, so the worker waits on its queue with a deadline instead of s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -30,6 +30,9 @@ class _FakeState:
     next_ready_s: float | None = None
     phase: float = 0.0
     first_chunk_taken: bool = False
+    queued_samples: int = 0  # samples of every chunk taken so far
+    produced_samples: int = 0
+    texts: list[tuple[int, str]] = field(default_factory=list)  # (start sample, chunk text) not yet sent
 
 
 class FakeBackend:
@@ -54,7 +57,10 @@ class FakeBackend:
             chunk, utt.text = split
             state.first_chunk_taken = True
             if has_speech(chunk):
-                state.remaining_samples += int(SAMPLE_RATE_HZ * MS_PER_CHAR * len(chunk) / 1000)
+                samples = int(SAMPLE_RATE_HZ * MS_PER_CHAR * len(chunk) / 1000)
+                state.texts.append((state.queued_samples, chunk))
+                state.queued_samples += samples
+                state.remaining_samples += samples
 
     def has_work(self, utt: Utterance, now_s: float) -> bool:
         self._take_text(utt)
@@ -78,10 +84,14 @@ class FakeBackend:
         n = min(self.chunk_samples, state.remaining_samples)
         pcm = self._tone(state, n) if utt.voice != "silence" else np.zeros(n, np.float32)
         state.remaining_samples -= n
+        end = state.produced_samples + n
+        text = " ".join(t for start, t in state.texts if start < end)
+        state.texts = [(start, t) for start, t in state.texts if start >= end]
+        state.produced_samples = end
         state.chunks_done += 1
         state.next_ready_s = max(now_s, state.next_ready_s or now_s) + self.config.rtf * n / SAMPLE_RATE_HZ
         done = state.remaining_samples <= 0 and utt.input_ended and not utt.text.strip()
-        return SynthStep(pcm=[pcm], sample_rate_hz=SAMPLE_RATE_HZ, done=done)
+        return SynthStep(pcm=[pcm], sample_rate_hz=SAMPLE_RATE_HZ, done=done, text=text)
 
     def _tone(self, state: _FakeState, n: int) -> np.ndarray:
         step = 2 * math.pi * self.config.tone_hz / SAMPLE_RATE_HZ

@@ -370,6 +370,10 @@ class EngineWorker:
             self._fail(utt, exc)
 
     def _accept(self, utt: Utterance, result: SynthStep) -> None:
+        if result.text:  # before its PCM: the mark sits where this text's audio starts
+            mark_text = getattr(utt.sink, "mark_text", None)
+            if mark_text is not None:
+                mark_text(utt.utterance_id, utt.generation, result.text)
         if result.pcm:
             utt.sample_rate_hz = result.sample_rate_hz
             piece = max(1, result.sample_rate_hz * PIECE_MS // 1000)

@@ -1,4 +1,5 @@
-"""`Call`: one peer connection that speaks — track, sink, speech queue, `events` data channel, liveness.
+"""`Call`: one peer connection that speaks (and, with `[listen]`, hears) — track, sink, speech queue,
+`events` data channel, microphone listener, liveness.
 
 Runs on the event loop. A call is freed (engine utterances cancelled, ring dropped, tasks cancelled,
 peer connection closed) when it is hung up, when its connection fails or closes, when it does not
@@ -11,16 +12,26 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any
 
-from aiortc import RTCConfiguration, RTCDataChannel, RTCIceServer, RTCPeerConnection, RTCSessionDescription
+import numpy as np
+from aiortc import (
+    MediaStreamTrack,
+    RTCConfiguration,
+    RTCDataChannel,
+    RTCIceServer,
+    RTCPeerConnection,
+    RTCSessionDescription,
+)
 from aiortc.sdp import SessionDescription, candidate_from_sdp
 
 from voicertc.audio import PcmRing, RingSink
 from voicertc.config import Config
 from voicertc.engine.protocol import Engine
-from voicertc.errors import VoiceRTCError
+from voicertc.errors import InputError, VoiceRTCError
+from voicertc.listen.bargein import BargeInDecision
+from voicertc.listen.listener import CallListener
 from voicertc.validate import BadJsonError, parse_json
 from voicertc.webrtc.loopback import loopback_only_sdp
 from voicertc.webrtc.speech import ClientEvent, SpeechHandle, SpeechQueue
@@ -69,30 +80,54 @@ class Call:
         self.on_event: Callable[[ClientEvent], None] | None = None  # metrics hook
         self._watchdog: asyncio.Task[None] | None = None
         self.remote_ice: set[tuple[str, str]] = set()  # the offer's (ufrag, pwd) pairs
+        self.ignored_media: list[str] = []  # offered media the answer turned down ("video")
+        self.listener: CallListener | None = None  # set when the caller's microphone track arrives
+        self._mic_offered = False
+        self._listening = asyncio.Event()
+        self.barge_ins = 0
         self.pc.on("connectionstatechange", self._on_connection_state)
         self.pc.on("datachannel", self._on_datachannel)
+        self.pc.on("track", self._on_track)
 
     # --- signaling --------------------------------------------------------------------------------
 
     async def answer(self, offer_sdp: str) -> str:
         """Apply the browser's offer, attach the speech track, return the SDP answer (candidates gathered).
 
-        Audio is answered send-only: the server never listens, and a receiving transceiver would make
-        aiortc decode and queue a sendrecv offer's microphone without bound.
+        An offer whose audio carries a microphone (sendrecv) is answered sendrecv when `[listen]
+        enabled`: the mic goes to the call's listener, which always drains it. Otherwise audio is
+        send-only (a receiving transceiver nobody reads would make aiortc queue the mic without bound).
+        Video is never taken: its m-line is answered inactive and `ignored_media` says so.
         """
         if self.config.webrtc.loopback_only:
             offer_sdp = loopback_only_sdp(offer_sdp)
+        parsed = SessionDescription.parse(offer_sdp)
         self.remote_ice = {
             (m.ice.usernameFragment, m.ice.password)
-            for m in SessionDescription.parse(offer_sdp).media
+            for m in parsed.media
             if m.ice.usernameFragment and m.ice.password
         }
+        audio = [m for m in parsed.media if m.kind == "audio"]
+        self._mic_offered = self.config.listen.enabled and any(
+            m.direction in (None, "sendrecv", "sendonly") for m in audio[:1]
+        )
+        check_audio_codecs(audio[:1])
         await self.pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer"))
         self.pc.addTrack(self.track)  # takes the offer's audio transceiver
         for transceiver in self.pc.getTransceivers():
             if transceiver.kind == "audio":
                 ours = transceiver.sender.track is self.track
-                transceiver.direction = "sendonly" if ours else "inactive"
+                transceiver.direction = (
+                    ("sendrecv" if self._mic_offered else "sendonly") if ours else "inactive"
+                )
+            elif transceiver.kind == "video":
+                transceiver.direction = "inactive"
+                if "video" not in self.ignored_media:
+                    self.ignored_media.append("video")
+        if self.ignored_media:
+            logger.info(
+                "call %s: ignoring offered %s (audio only)", self.call_id, ", ".join(self.ignored_media)
+            )
         await self.pc.setLocalDescription(await self.pc.createAnswer())
         self._watchdog = self.loop.create_task(self._watch(), name=f"call-{self.call_id}-watchdog")
         logger.info("call %s answered", self.call_id)
@@ -135,11 +170,71 @@ class Call:
     def interrupt(self) -> tuple[str | None, float]:
         """Stop playback now (fade), drop queued audio and utterances; returns (utterance_id, played_ms)."""
         cut = self.track.interrupt()
-        about, ms = self.speech.interrupt_all(cut.utterance_id, cut.played_ms)
+        heard = self.sink.heard_text(cut.utterance_id, cut.played_ms)
+        about, ms = self.speech.interrupt_all(cut.utterance_id, cut.played_ms, heard)
         if about is not None:
             self.interrupts += 1
         logger.info("call %s interrupt: utterance %s at %.0f ms", self.call_id, about, ms)
         return about, ms
+
+    # --- listening --------------------------------------------------------------------------------
+
+    def _on_track(self, track: MediaStreamTrack) -> None:
+        if track.kind != "audio" or not self._mic_offered or self.listener is not None:
+            return  # video, or a mic we were not asked to hear: aiortc does not receive it
+        if self.closed.is_set():
+            return
+        from voicertc.listen.transcriber import shared_transcriber
+
+        listen = self.config.listen
+        transcriber = shared_transcriber(listen.whisper_threads) if listen.transcribe else None
+        self.listener = CallListener(
+            self.call_id, listen, self._emit, self.current_utterance, self._on_barge_in, transcriber
+        )
+        self.listener.start(track)
+        self._listening.set()
+        logger.info("call %s: listening to the caller's microphone", self.call_id)
+
+    def current_utterance(self) -> str | None:
+        """The agent's utterance playing now, else the oldest one queued; None when it is silent."""
+        return self.track.playing_utterance or self.speech.first_pending()
+
+    def _on_barge_in(self, decision: BargeInDecision) -> None:
+        if self.closed.is_set():
+            return
+        about, played_ms = self.interrupt()
+        if about is not None:
+            self.barge_ins += 1
+        logger.info(
+            "call %s barge-in (%s%s): utterance %s cut at %.0f ms",
+            self.call_id,
+            decision.reason,
+            f": {decision.text!r}" if decision.text else "",
+            about,
+            played_ms,
+        )
+
+    async def listen(self) -> AsyncIterator[np.ndarray]:
+        """The caller's microphone as 16 kHz mono int16 frames (20 ms each), until the call closes.
+
+        One reader at a time reads the call's inbound buffer (`[listen] inbound_buffer_ms`; when
+        nobody reads, the oldest audio is dropped and counted). A call without a microphone yields
+        nothing and ends when the call closes.
+        """
+        if not self.config.listen.enabled:
+            raise InputError("listening is off: set [listen] enabled = true")
+        closed = asyncio.ensure_future(self.closed.wait())
+        listening = asyncio.ensure_future(self._listening.wait())
+        try:
+            await asyncio.wait({closed, listening}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closed.cancel()
+            listening.cancel()
+        if self.listener is None:
+            return
+        buffer = self.listener.buffer
+        while (frame := await buffer.get()) is not None:
+            yield frame
 
     # --- events -----------------------------------------------------------------------------------
 
@@ -275,6 +370,9 @@ class Call:
             "interrupts": self.interrupts,
             "underrun_frames": stats.underrun_frames,
             "frames_sent": stats.frames_sent,
+            "barge_ins": self.barge_ins,
+            "user_speech_segments": self.listener.speech_segments if self.listener else 0,
+            "inbound_dropped_frames": self.listener.dropped_frames if self.listener else 0,
         }
 
     def info(self) -> dict[str, Any]:
@@ -286,6 +384,7 @@ class Call:
             "frames_sent": stats.frames_sent,
             "underrun_frames": stats.underrun_frames,
             "queued_ms": round(self.ring.queued_ms, 1),
+            "listening": self.listener is not None,
         }
 
     async def close(self, reason: str = "hang up") -> None:
@@ -309,7 +408,26 @@ class Call:
             except Exception:
                 logger.exception("call %s: close listener failed", self.call_id)
         self.track.stop()
+        if self.listener is not None:
+            await self.listener.close()
         await self.pc.close()
+
+
+ACCEPTED_AUDIO_CODECS = ("opus", "pcmu", "pcma")
+
+
+class UnsupportedCodecError(InputError):
+    code = "unsupported_codec"
+
+
+def check_audio_codecs(audio_media: list[Any]) -> None:
+    """An audio m-line with no codec aiortc takes (Opus, PCMU, PCMA) cannot be answered: say which."""
+    for media in audio_media:
+        names = [codec.name for codec in media.rtp.codecs]
+        if names and not any(n.lower() in ACCEPTED_AUDIO_CODECS for n in names):
+            raise UnsupportedCodecError(
+                f"the offer's audio codecs ({', '.join(names)}) are not taken here; offer opus, PCMU or PCMA"
+            )
 
 
 class CallClosedError(VoiceRTCError):

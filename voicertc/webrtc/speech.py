@@ -276,8 +276,11 @@ class SpeechQueue:
         )
         self._release_active(handle)
 
-    def interrupt_all(self, playing_id: str | None, played_ms: float) -> tuple[str | None, float]:
-        """Cancel every unfinished utterance; the one playing reports `played_ms`, the others 0.
+    def interrupt_all(
+        self, playing_id: str | None, played_ms: float, heard_text: str = ""
+    ) -> tuple[str | None, float]:
+        """Cancel every unfinished utterance; the one playing reports `played_ms` and `heard_text`
+        (the text of its chunks that had started playing), the others 0 and "".
 
         Returns the utterance the interrupt is about: the one playing, else the oldest unfinished one.
         """
@@ -288,13 +291,14 @@ class SpeechQueue:
             self.engine.cancel(active.utterance_id)
         about = playing_id if playing_id in self._by_id else (victims[0].utterance_id if victims else None)
         for handle in victims:
-            ms = played_ms if handle.utterance_id == playing_id else 0.0
+            playing = handle.utterance_id == playing_id
             self._finish(
                 handle,
                 {
                     "type": "speech.interrupted",
                     "utterance_id": handle.utterance_id,
-                    "played_ms": round(ms, 1),
+                    "played_ms": round(played_ms if playing else 0.0, 1),
+                    "heard_text": heard_text if playing else "",
                 },
             )
         return about, (played_ms if about == playing_id else 0.0)
@@ -321,7 +325,12 @@ class SpeechQueue:
                 handle.feeder.cancel()
             if not handle.terminal.done():
                 handle.terminal.set_result(
-                    {"type": "speech.interrupted", "utterance_id": handle.utterance_id, "played_ms": 0.0}
+                    {
+                        "type": "speech.interrupted",
+                        "utterance_id": handle.utterance_id,
+                        "played_ms": 0.0,
+                        "heard_text": "",
+                    }
                 )
         self._by_id.clear()
         self._queue.clear()
@@ -330,6 +339,10 @@ class SpeechQueue:
     @property
     def pending(self) -> int:
         return len(self._by_id)
+
+    def first_pending(self) -> str | None:
+        """The oldest unfinished utterance (playing, synthesizing or queued), or None."""
+        return next(iter(self._by_id), None)
 
 
 async def _close_stream(stream: AsyncIterator[str]) -> None:

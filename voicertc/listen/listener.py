@@ -1,0 +1,364 @@
+"""One call's ears: the remote microphone track -> 16 kHz PCM, VAD events, transcripts, barge-in.
+
+Threads: a reader task on the event loop pulls aiortc's decoded frames and hands their samples to the
+call's listen thread (`ListenThread`), which resamples (soxr), runs Silero VAD and the state machine,
+and collects speech segments for the shared Whisper thread. Results hop back to the loop with
+`call_soon_threadsafe`, where `CallListener` fills the inbound buffers, emits `user.*` events and asks
+the `BargeInPolicy`. The event loop never runs model code.
+
+Timeline: media milliseconds since the first received frame, from the frames' pts (an RTP gap is
+filled with silence so `at_ms` stays on the caller's clock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+
+from voicertc.config import ListenConfig
+from voicertc.listen.bargein import BargeInDecision, BargeInPolicy
+from voicertc.listen.inbound import LISTEN_RATE_HZ, InboundBuffer, InboundConverter
+from voicertc.listen.models import VAD_WINDOW, SileroVad
+from voicertc.listen.transcriber import Transcriber, TranscriptJob
+from voicertc.listen.vad import SpeechStarted, SpeechStopped, VadStateMachine
+
+logger = logging.getLogger(__name__)
+
+FRAME_SAMPLES = 320  # 20 ms at 16 kHz: what readers get
+MAX_QUEUED_FRAMES = 100  # frames waiting for the listen thread (2 s at 20 ms); oldest dropped beyond
+MAX_GAP_S = 1.0  # a pts jump larger than this restarts the timeline instead of filling silence
+HISTORY_SLACK_MS = 300.0
+
+Post = Callable[..., None]
+EmitFn = Callable[[dict[str, Any]], None]
+
+
+def _dbfs(samples: np.ndarray) -> float:
+    return 10.0 * float(np.log10(np.mean(np.square(samples, dtype=np.float64)) + 1e-12))
+
+
+def _ms(samples: int) -> float:
+    return samples * 1000.0 / LISTEN_RATE_HZ
+
+
+class ListenThread:
+    """Per-call worker: convert, VAD, segment audio. Owns everything it touches except the queue."""
+
+    def __init__(
+        self, call_id: str, config: ListenConfig, post: Post, transcriber: Transcriber | None
+    ) -> None:
+        self.call_id = call_id
+        self.config = config
+        self._post = post
+        self._transcriber = transcriber
+        self._partials = transcriber is not None and config.barge_in == "words"
+        self._cond = threading.Condition()
+        self._frames: deque[tuple[np.ndarray, int, int, int | None, int] | None] = deque()
+        self.dropped_frames = 0  # frames the thread could not keep up with
+        self._converter = InboundConverter()
+        self._vad = SileroVad()
+        self._machine = VadStateMachine(config.threshold, config.min_speech_ms, config.min_silence_ms)
+        self._next_pts: int | None = None
+        self._pos = 0  # 16 kHz samples on the timeline so far
+        self._window = np.zeros(0, dtype=np.int16)
+        self._out = np.zeros(0, dtype=np.int16)  # converted samples not yet posted as a whole frame
+        self._vad_pos = 0  # timeline sample where `_window` starts
+        self._history: deque[tuple[int, np.ndarray]] = deque()  # (start sample, float32 pcm)
+        self._segment = 0
+        self._seg_start: int | None = None  # timeline sample the current segment's audio starts
+        self._seg_onset_ms = 0.0
+        self._last_partial = 0
+        self._thread = threading.Thread(target=self._run, name=f"voicertc-listen-{call_id}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def put(self, pcm: np.ndarray, rate: int, channels: int, pts: int | None, samples: int) -> None:
+        with self._cond:
+            if len(self._frames) >= MAX_QUEUED_FRAMES:
+                self._frames.popleft()
+                self.dropped_frames += 1
+            self._frames.append((pcm, rate, channels, pts, samples))
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._frames.clear()
+            self._frames.append(None)
+            self._cond.notify()
+
+    def join(self, timeout_s: float = 2.0) -> None:
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._frames:
+                    self._cond.wait()
+                item = self._frames.popleft()
+            if item is None:
+                return
+            try:
+                self.process(*item)
+            except Exception:
+                logger.exception("call %s: listening failed on a frame", self.call_id)
+
+    # --- the work (also callable directly, for tests and the bench) ---------------------------------
+
+    def process(self, pcm: np.ndarray, rate: int, channels: int, pts: int | None, samples: int) -> None:
+        gap = self._gap_samples(pts, samples, rate)
+        if gap:
+            pcm = np.concatenate((np.zeros(gap * channels, dtype=pcm.dtype), pcm.reshape(-1)))
+        out = self._converter.convert(pcm, rate, channels)
+        if out.size == 0:
+            return
+        start = self._pos
+        self._pos += out.size
+        self._out = np.concatenate((self._out, out)) if self._out.size else out
+        while self._out.size >= FRAME_SAMPLES:
+            self._post("pcm", self._out[:FRAME_SAMPLES].copy())
+            self._out = self._out[FRAME_SAMPLES:]
+        self._history.append((start, out.astype(np.float32) / 32768.0))
+        self._run_vad(out)
+        self._maybe_partial()
+        self._prune()
+
+    def _gap_samples(self, pts: int | None, samples: int, rate: int) -> int:
+        if pts is None:
+            return 0
+        expected, self._next_pts = self._next_pts, pts + samples
+        if expected is None:
+            return 0
+        gap = pts - expected
+        return gap if 0 < gap <= MAX_GAP_S * rate else 0
+
+    def _run_vad(self, out: np.ndarray) -> None:
+        self._window = np.concatenate((self._window, out)) if self._window.size else out
+        while self._window.size >= VAD_WINDOW:
+            window, self._window = self._window[:VAD_WINDOW], self._window[VAD_WINDOW:]
+            start_ms, end_ms = _ms(self._vad_pos), _ms(self._vad_pos + VAD_WINDOW)
+            self._vad_pos += VAD_WINDOW
+            samples = window.astype(np.float32) / 32768.0
+            prob = self._vad(samples)
+            if _dbfs(samples) < self.config.min_level_dbfs:
+                # too quiet to start speech (echo residue, hiss): capped between the two thresholds,
+                # it can neither open a segment nor split one at a quiet consonant
+                machine = self._machine
+                prob = min(prob, (machine.threshold + machine.low_threshold) / 2)
+            event = self._machine.update(prob, start_ms, end_ms)
+            if isinstance(event, SpeechStarted):
+                self._on_started(event)
+            elif isinstance(event, SpeechStopped):
+                self._on_stopped(event)
+
+    def _on_started(self, event: SpeechStarted) -> None:
+        self._segment += 1
+        pad = int(self.config.speech_pad_ms * LISTEN_RATE_HZ / 1000)
+        self._seg_start = max(0, int(event.at_ms * LISTEN_RATE_HZ / 1000) - pad)
+        self._seg_onset_ms = event.at_ms
+        self._last_partial = -(10**9)
+        self._post("started", self._segment, event)
+        self._maybe_partial()
+
+    def _on_stopped(self, event: SpeechStopped) -> None:
+        self._post("stopped", self._segment, event)
+        if self._seg_start is not None and self._transcriber is not None:
+            pad = int(self.config.speech_pad_ms * LISTEN_RATE_HZ / 1000)
+            end = min(self._pos, int(event.end_ms * LISTEN_RATE_HZ / 1000) + pad)
+            self._submit(self._seg_start, end, True, event.at_ms, event.end_ms)
+        self._seg_start = None
+
+    def _maybe_partial(self) -> None:
+        if self._seg_start is None or self._transcriber is None:
+            return
+        if self._pos - self._seg_start >= self.config.max_segment_s * LISTEN_RATE_HZ:
+            # a very long segment: transcribe this piece now and go on with the next
+            onset_ms = max(self._seg_onset_ms, _ms(self._seg_start))
+            self._submit(self._seg_start, self._pos, True, onset_ms, _ms(self._pos))
+            self._seg_start = self._pos
+            return
+        every = self.config.partial_every_ms * LISTEN_RATE_HZ / 1000
+        if self._partials and self._pos - self._last_partial >= every:
+            self._last_partial = self._pos
+            self._submit(self._seg_start, self._pos, False, self._seg_onset_ms, _ms(self._pos))
+
+    def _submit(self, start: int, end: int, final: bool, start_ms: float, end_ms: float) -> None:
+        assert self._transcriber is not None
+        pcm = self._audio(start, end)
+        if pcm.size < LISTEN_RATE_HZ // 10:
+            return
+        segment = self._segment
+
+        def on_text(text: str) -> None:
+            self._post("text", segment, text, final, start_ms, end_ms)
+
+        self._transcriber.submit(TranscriptJob((self.call_id, segment), pcm, final, on_text))
+
+    def _audio(self, start: int, end: int) -> np.ndarray:
+        pieces = [
+            pcm[max(0, start - s) : max(0, end - s)]
+            for s, pcm in self._history
+            if s + pcm.size > start and s < end
+        ]
+        return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
+
+    def _prune(self) -> None:
+        keep_ms = self.config.min_speech_ms + self.config.speech_pad_ms + HISTORY_SLACK_MS
+        keep_from = self._pos - int(keep_ms * LISTEN_RATE_HZ / 1000)
+        if self._seg_start is not None:
+            keep_from = min(keep_from, self._seg_start)
+        while self._history and self._history[0][0] + self._history[0][1].size < keep_from:
+            self._history.popleft()
+
+
+class CallListener:
+    """The loop side of one call's listening. Owned by the event loop.
+
+    `buffer` holds 16 kHz PCM for `Call.listen()`; `tap()` gives each extra reader (the audio
+    WebSocket) its own bounded buffer. Drops of every buffer are summed in `dropped_frames`.
+    """
+
+    def __init__(
+        self,
+        call_id: str,
+        config: ListenConfig,
+        emit: EmitFn,
+        current_utterance: Callable[[], str | None],
+        barge_in: Callable[[BargeInDecision], None],
+        transcriber: Transcriber | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.call_id = call_id
+        self.config = config
+        self._emit = emit
+        self._barge_in = barge_in
+        self._loop = asyncio.get_running_loop()
+        self.policy = BargeInPolicy(config.barge_in, config.backchannels, current_utterance, clock)
+        self.buffer = InboundBuffer(config.inbound_buffer_ms)
+        self._taps: list[InboundBuffer] = []
+        self._tap_drops = 0
+        self.thread = ListenThread(call_id, config, self._post, transcriber)
+        self._reader: asyncio.Task[None] | None = None
+        self.frames_received = 0
+        self.speech_segments = 0
+        self.transcripts = 0
+        self.closed = False
+
+    # --- wiring -----------------------------------------------------------------------------------
+
+    def start(self, track: MediaStreamTrack) -> None:
+        self.thread.start()
+        self._reader = self._loop.create_task(self._read(track), name=f"call-{self.call_id}-listen")
+
+    async def _read(self, track: MediaStreamTrack) -> None:
+        with contextlib.suppress(MediaStreamError):
+            while not self.closed:
+                frame = await track.recv()
+                self.frames_received += 1
+                pcm = frame.to_ndarray()
+                channels = len(frame.layout.channels)
+                self.thread.put(pcm, frame.sample_rate, channels, frame.pts, frame.samples)
+        logger.info("call %s: microphone track ended", self.call_id)
+
+    def _post(self, kind: str, *args: Any) -> None:
+        """Listen thread -> loop."""
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, kind, args)
+        except RuntimeError:
+            pass  # the loop is closed: the call is gone
+
+    def _deliver(self, kind: str, args: tuple[Any, ...]) -> None:
+        if self.closed:
+            return
+        if kind == "pcm":
+            self._on_pcm(args[0])
+        elif kind == "started":
+            self._on_started(args[1])
+        elif kind == "stopped":
+            self._on_stopped(args[1])
+        elif kind == "text":
+            self._on_text(*args)
+
+    # --- results on the loop ----------------------------------------------------------------------
+
+    def _on_pcm(self, pcm: np.ndarray) -> None:
+        self.buffer.push(pcm)
+        for tap in self._taps:
+            self._tap_drops += tap.push(pcm)
+
+    def _on_started(self, event: SpeechStarted) -> None:
+        self.speech_segments += 1
+        logger.info("call %s: caller speech started at %.0f ms", self.call_id, event.at_ms)
+        self._emit({"type": "user.speech.started", "at_ms": round(event.at_ms, 1)})
+        decision = self.policy.speech_started(event.at_ms)
+        if decision is not None:
+            self._barge_in(decision)
+
+    def _on_stopped(self, event: SpeechStopped) -> None:
+        self.policy.speech_stopped()
+        self._emit(
+            {
+                "type": "user.speech.stopped",
+                "at_ms": round(event.end_ms, 1),
+                "duration_ms": round(event.duration_ms, 1),
+            }
+        )
+
+    def _on_text(self, segment: int, text: str, final: bool, start_ms: float, end_ms: float) -> None:
+        if final and text:
+            self.transcripts += 1
+            self._emit(
+                {
+                    "type": "user.transcript",
+                    "text": text,
+                    "start_ms": round(start_ms, 1),
+                    "end_ms": round(end_ms, 1),
+                }
+            )
+        decision = self.policy.transcript(segment, text, final)
+        if decision is not None:
+            self._barge_in(decision)
+
+    # --- readers ------------------------------------------------------------------------------------
+
+    def tap(self, max_ms: float | None = None) -> InboundBuffer:
+        buffer = InboundBuffer(max_ms or self.config.inbound_buffer_ms)
+        if self.closed:
+            buffer.close()
+        else:
+            self._taps.append(buffer)
+        return buffer
+
+    def untap(self, buffer: InboundBuffer) -> None:
+        if buffer in self._taps:
+            self._taps.remove(buffer)
+            self._tap_drops += 0
+        buffer.close()
+
+    @property
+    def dropped_frames(self) -> int:
+        """16 kHz frames dropped because a reader (or the listen thread) fell behind."""
+        return self.buffer.dropped_frames + self._tap_drops + self.thread.dropped_frames
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._reader is not None and self._reader is not asyncio.current_task():
+            self._reader.cancel()
+        self.thread.stop()
+        self.buffer.close()
+        for tap in self._taps:
+            tap.close()
+        self._taps.clear()
+        await asyncio.get_running_loop().run_in_executor(None, self.thread.join)

@@ -23,6 +23,8 @@ from signaling.metrics import Metrics
 from signaling.openapi import openapi_spec
 from signaling.registry import CallRegistry
 from signaling.routes import REGISTRY, routes
+from signaling.voice_admin import VoiceAdmin
+from signaling.voice_routes import VOICES, voice_routes
 from voicertc.config import Config
 from voicertc.engine.factory import create_engine
 from voicertc.engine.protocol import Engine
@@ -58,7 +60,9 @@ def create_app(config: Config, engine: Engine | None = None) -> web.Application:
     app[ENGINE] = engine
     app[METRICS] = metrics
     app[REGISTRY] = CallRegistry(engine, config, metrics)
+    app[VOICES] = VoiceAdmin(engine, config.limits)
     app.add_routes(routes)
+    app.add_routes(voice_routes)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)

@@ -7,6 +7,8 @@
     await utt.done()                          # speech.done / speech.interrupted / error event
     call.interrupt()                          # barge-in
     async for event in call.events(): ...     # the same events the data channel carries
+    info = await server.voices.register(clip_bytes, "its transcript", voice_id="ann")  # zero-shot voice
+    call.say("Hi!", voice="ann")              # usable at once; server.voices.list() / get() / delete()
     await server.stop()
 
 Everything runs on the caller's event loop; synthesis runs on the engine's own thread.
@@ -21,6 +23,8 @@ from aiohttp import web
 
 from signaling.app import ENGINE, create_app, http_url, listen_error
 from signaling.routes import REGISTRY
+from signaling.voice_admin import VoiceAdmin
+from signaling.voice_routes import VOICES
 from voicertc.config import Config, load_config
 from voicertc.engine.protocol import Engine
 from voicertc.webrtc.call import Call
@@ -103,6 +107,12 @@ class VoiceServer:
         host, port = runner.addresses[0][:2]
         self.url = http_url(host, port)
         return self.url
+
+    @property
+    def voices(self) -> VoiceAdmin:
+        """The voice registry: `await list()`, `get(id)`, `register(audio, transcript, voice_id=, name=)`,
+        `delete(id)` (the same operations as /v1/voices)."""
+        return self._app[VOICES]
 
     @property
     def engine(self) -> Engine:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from signaling.openapi_voices import voice_paths, voice_schemas
 from voicertc.config import Config
 
 JSON = "application/json"
@@ -234,7 +235,7 @@ def openapi_spec(config: Config) -> dict[str, Any]:
             "description": "Real-time WebRTC text-to-speech calls. With `[auth] tokens` set, every /v1 "
             "request needs `Authorization: Bearer <token>` (401 without, 403 wrong).",
         },
-        "paths": _paths(config),
-        "components": {"schemas": _schemas(), "securitySchemes": bearer},
+        "paths": {**_paths(config), **voice_paths(config)},
+        "components": {"schemas": {**_schemas(), **voice_schemas()}, "securitySchemes": bearer},
         "security": [{"bearer": []}] if config.auth.tokens else [],
     }

@@ -41,6 +41,7 @@ from voicertc.backends.cosyvoice2.flow import FlowStreamState
 from voicertc.backends.cosyvoice2.llm import PrefixCache
 from voicertc.backends.cosyvoice2.text import text_normalize
 from voicertc.errors import InputError, UnknownVoiceError
+from voicertc.voice_ids import VOICE_ID, check_voice_id
 
 if TYPE_CHECKING:
     from voicertc.backends.cosyvoice2.loader import CosyVoice2Model
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MIN_PROMPT_S, MAX_PROMPT_S = 1.0, 30.0
-VOICE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 FORMAT_VERSION = 1
 VoiceKind = Literal["sft", "zero_shot", "cross_lingual"]
 VoiceSource = Literal["spk2info", "store", "memory"]
@@ -93,12 +93,6 @@ class Voice:
             "deletable": self.source != "spk2info",
             "created_at": int(self.created_s) if self.created_s else None,
         }
-
-
-def check_voice_id(voice_id: str) -> str:
-    if not VOICE_ID.match(voice_id):
-        raise InputError(f"bad voice id {voice_id!r}: use 1-64 letters, digits, '_', '-', '.'")
-    return voice_id
 
 
 def voice_from_features(

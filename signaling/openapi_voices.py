@@ -1,0 +1,151 @@
+"""OpenAPI entries of the voice registry (/v1/voices) and /readyz, merged into /openapi.json."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from voicertc.config import Config
+
+JSON = "application/json"
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {JSON: {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+
+def _voice(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {JSON: {"schema": {"$ref": "#/components/schemas/Voice"}}}}
+
+
+VOICE_ID = {"name": "voice_id", "in": "path", "required": True, "schema": {"type": "string"}}
+UNKNOWN_VOICE = _error("No such voice (`unknown_voice`).")
+
+
+def voice_paths(config: Config) -> dict[str, Any]:
+    limits = config.limits
+    return {
+        "/v1/voices": {
+            "get": {
+                "summary": "Every voice of the engine: spk2info.pt voices, registered voices, Piper's own.",
+                "responses": {
+                    "200": {
+                        "description": "`{voices: [Voice]}`",
+                        "content": {
+                            JSON: {
+                                "schema": {
+                                    "type": "object",
+                                    "properties": {
+                                        "voices": {
+                                            "type": "array",
+                                            "items": {"$ref": "#/components/schemas/Voice"},
+                                        }
+                                    },
+                                }
+                            }
+                        },
+                    },
+                    "503": _error("The engine is not running (`engine_stopped`)."),
+                },
+            },
+            "post": {
+                "summary": "Register a zero-shot voice from a clip and its transcript (CosyVoice2).",
+                "description": "multipart/form-data with `audio` (the file) and `transcript`, or JSON "
+                '`{"audio": "<base64>", "transcript"}`; optional `id` (1-64 of `A-Za-z0-9_.-`; default from '
+                "`name`) and `name`. wav, flac, ogg/opus, mp3 (anything FFmpeg decodes), "
+                f"{limits.voice_min_s:g}-{limits.voice_max_s:g} s (limits.voice_min_s / voice_max_s), "
+                f"at most {limits.voice_max_bytes} bytes (limits.voice_max_bytes). Without a transcript the "
+                "voice is cross-lingual: the LLM gets neither prompt text nor prompt speech, the flow gets "
+                "the prompt. "
+                "The features are computed on the engine thread; the voice is persisted in "
+                "`[engine] voices_dir` and usable at once (`voice` on call create and on speak).",
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "multipart/form-data": {"schema": {"$ref": "#/components/schemas/VoiceForm"}},
+                        JSON: {"schema": {"$ref": "#/components/schemas/VoiceJson"}},
+                    },
+                },
+                "responses": {
+                    "201": _voice("Registered. `Location: /v1/voices/{id}`."),
+                    "400": _error(
+                        "Bad clip: `audio_too_short`, `audio_too_long`, `audio_silent`, `audio_undecodable`; "
+                        "`audio_missing`, `bad_base64`, `bad_json`, a bad id (`bad_input`); "
+                        "`not_supported` when the engine cannot register voices (Piper, fake)."
+                    ),
+                    "409": _error("A voice with that id exists (`voice_exists`)."),
+                    "413": _error(
+                        "The audio file is larger than limits.voice_max_bytes (`audio_too_large`)."
+                    ),
+                    "415": _error("Content-Type is neither multipart/form-data nor application/json."),
+                    "503": _error("The engine is not running (`engine_stopped`)."),
+                },
+            },
+        },
+        "/v1/voices/{voice_id}": {
+            "parameters": [VOICE_ID],
+            "get": {
+                "summary": "One voice.",
+                "responses": {"200": _voice("The voice."), "404": UNKNOWN_VOICE},
+            },
+            "delete": {
+                "summary": "Delete a registered voice (and its files in the voices directory).",
+                "responses": {
+                    "200": {"description": '`{"id", "deleted": true}`'},
+                    "400": _error("The engine cannot delete voices (`not_supported`)."),
+                    "404": UNKNOWN_VOICE,
+                    "409": _error("A spk2info.pt voice cannot be deleted (`voice_read_only`)."),
+                },
+            },
+        },
+        "/readyz": {
+            "get": {
+                "summary": "Readiness: the engine has loaded, passed its start checks and warmed up.",
+                "responses": {
+                    "200": {"description": '`{"status": "ready", "engine"}`'},
+                    "503": {
+                        "description": '`{"status": "not_ready", "reason", "engine"}`: loading, failed to '
+                        "load (the reason names the file), or stopped. `Retry-After: 1`."
+                    },
+                },
+            }
+        },
+    }
+
+
+def voice_schemas() -> dict[str, Any]:
+    string = {"type": "string"}
+    return {
+        "Voice": {
+            "type": "object",
+            "properties": {
+                "id": string,
+                "name": string,
+                "kind": {"enum": ["zero_shot", "cross_lingual", "sft", "builtin"]},
+                "transcript": string,
+                "prompt_s": {"type": "number"},
+                "source": {"enum": ["spk2info", "store", "memory", "engine"]},
+                "deletable": {"type": "boolean"},
+                "created_at": {"type": ["integer", "null"]},
+            },
+        },
+        "VoiceForm": {
+            "type": "object",
+            "required": ["audio"],
+            "properties": {
+                "audio": {"type": "string", "format": "binary"},
+                "transcript": string,
+                "id": string,
+                "name": string,
+            },
+        },  # fmt: skip
+        "VoiceJson": {
+            "type": "object",
+            "required": ["audio"],
+            "properties": {
+                "audio": {"type": "string", "contentEncoding": "base64"},
+                "transcript": string,
+                "id": string,
+                "name": string,
+            },
+        },  # fmt: skip
+    }

@@ -18,6 +18,7 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from signaling.audio_ws import audio_routes
 from signaling.errors import ApiError, error_response
 from signaling.metrics import Metrics
 from signaling.openapi import openapi_spec
@@ -63,6 +64,7 @@ def create_app(config: Config, engine: Engine | None = None) -> web.Application:
     app[VOICES] = VoiceAdmin(engine, config.limits)
     app.add_routes(routes)
     app.add_routes(voice_routes)
+    app.add_routes(audio_routes)  # GET /v1/calls/{id}/audio (WebSocket of the caller's mic)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)

@@ -6,7 +6,8 @@
     utt = call.say(llm_text_deltas())         # a str, or an async iterable of text deltas
     await utt.done()                          # speech.done / speech.interrupted / error event
     call.interrupt()                          # barge-in
-    async for event in call.events(): ...     # the same events the data channel carries
+    async for event in call.events(): ...     # the same events the data channel carries (+ user.*)
+    async for pcm in call.listen(): ...       # the caller's mic: 16 kHz mono int16, 20 ms frames
     info = await server.voices.register(clip_bytes, "its transcript", voice_id="ann")  # zero-shot voice
     call.say("Hi!", voice="ann")              # usable at once; server.voices.list() / get() / delete()
     await server.stop()
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterable, AsyncIterator
 
+import numpy as np
 from aiohttp import web
 
 from signaling.app import ENGINE, create_app, http_url, listen_error
@@ -62,13 +64,22 @@ class AgentCall:
         return self._call.interrupt()
 
     async def events(self) -> AsyncIterator[ClientEvent]:
-        """speech.started / speech.done / speech.interrupted / error events until the call ends."""
+        """speech.* / error events, and the caller's user.speech.started / user.speech.stopped /
+        user.transcript, until the call ends."""
         while True:
             event = await self._events.get()
             if event is None:
                 self._events.put_nowait(None)  # a later events() ends at once too
                 return
             yield event
+
+    def listen(self) -> AsyncIterator[np.ndarray]:
+        """The caller's microphone as 16 kHz mono int16 frames of 20 ms, until the call closes.
+
+        `[listen] enabled` must be on and the caller must have offered a microphone; unread audio
+        beyond `[listen] inbound_buffer_ms` is dropped (oldest first) and counted in /metrics.
+        """
+        return self._call.listen()
 
     async def wait_closed(self) -> None:
         await self._call.closed.wait()

@@ -158,6 +158,25 @@ def _paths(config: Config) -> dict[str, Any]:
                 },
             },
         },
+        "/v1/calls/{call_id}/audio": {
+            "parameters": [CALL_ID],
+            "get": {
+                "summary": "WebSocket: the caller's microphone as 16 kHz mono PCM16 (little-endian) binary "
+                "frames of 20 ms, for an agent in another process.",
+                "description": "Send a WebSocket upgrade. The first message is text JSON `{type: "
+                "audio.format, encoding: pcm_s16le, sample_rate_hz: 16000, channels: 1, frame_ms: 20, "
+                "call_id}`; then binary frames until the call ends (close code 1000). A reader that stalls "
+                "for `[listen] ws_stall_timeout_s` is closed with code 4008 (its dropped audio is counted "
+                "in /metrics as voicertc_inbound_dropped_frames_total). Audio starts when the caller's "
+                "microphone does (an offer with sendrecv audio).",
+                "responses": {
+                    "101": {"description": "Switching protocols: the audio stream."},
+                    "404": UNKNOWN,
+                    "409": _error("Listening is off (`[listen] enabled = false`)."),
+                    "426": _error("Not a WebSocket upgrade request."),
+                },
+            },
+        },
         "/healthz": {
             "get": {
                 "summary": "Liveness.",
@@ -198,7 +217,16 @@ def _schemas() -> dict[str, Any]:
         },
         "Answer": {
             "type": "object",
-            "properties": {"id": string, "sdp": string, "type": {"const": "answer"}},
+            "properties": {
+                "id": string,
+                "sdp": string,
+                "type": {"const": "answer"},
+                "ignored_media": {
+                    "type": "array",
+                    "items": string,
+                    "description": 'Offered media the answer turned down ("video"); absent when none.',
+                },
+            },
         },
         "Speak": {
             "type": "object",
@@ -215,8 +243,11 @@ def _schemas() -> dict[str, Any]:
             "Server -> client: "
             "speech.queued {utterance_id} (every utterance, however it was requested), speech.started "
             "{utterance_id, ttfa_ms} (not sent for an utterance without audio), speech.done "
-            "{utterance_id, played_ms}, speech.interrupted {utterance_id, played_ms}, error {code, message, "
-            "utterance_id?}; SSE ends with call.closed {reason}, or error {code: events_overflow} when the "
+            "{utterance_id, played_ms}, speech.interrupted {utterance_id, played_ms, heard_text} "
+            "(heard_text: the text of the utterance's chunks whose audio had started playing), error {code, "
+            "message, utterance_id?}; from the caller's microphone (two-way calls): user.speech.started "
+            "{at_ms}, user.speech.stopped {at_ms, duration_ms}, user.transcript {text, start_ms, end_ms}; "
+            "SSE ends with call.closed {reason}, or error {code: events_overflow} when the "
             "client fell too far behind.",
             "type": "object",
             "required": ["type"],

@@ -195,6 +195,10 @@ class Call:
         self._listening.set()
         logger.info("call %s: listening to the caller's microphone", self.call_id)
 
+    async def wait_listening(self) -> None:
+        """Until the caller's microphone track arrived (never, for a call without one)."""
+        await self._listening.wait()
+
     def current_utterance(self) -> str | None:
         """The agent's utterance playing now, else the oldest one queued; None when it is silent."""
         return self.track.playing_utterance or self.speech.first_pending()

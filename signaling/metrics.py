@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from voicertc.engine.step_stats import StepStats
+
 CALL_COUNTERS = {
     "utterances": "Utterances requested.",
     "interrupts": "Interrupts (barge-ins) that cut an utterance.",
@@ -59,6 +61,7 @@ class Metrics:
     closed_calls: dict[str, int] = field(default_factory=dict)  # per-call counters of calls already closed
     active_calls: Callable[[], int] = lambda: 0
     live_calls: Callable[[], dict[str, int]] = lambda: {}  # the same counters summed over open calls
+    engine_steps: Callable[[], StepStats | None] = lambda: None  # the engine's step times, if it keeps them
 
     def add_closed(self, counters: dict[str, int]) -> None:
         for name, value in counters.items():
@@ -110,7 +113,28 @@ class Metrics:
         )
         self._render_histogram(lines, "voicertc_ttfa_seconds", self.ttfa, TTFA_HELP)
         self._render_histogram(lines, "voicertc_engine_rtf", self.engine_rtf, RTF_HELP)
+        steps = self.engine_steps()
+        if steps is not None:
+            self._render_steps(lines, metric, steps)
         return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def _render_steps(lines: list[str], metric: Callable[..., None], steps: StepStats) -> None:
+        hist = Histogram(tuple(ms / 1000.0 for ms in steps.buckets_ms))
+        hist.counts, hist.total, hist.sum_s = list(steps.counts), steps.steps, steps.sum_ms / 1000.0
+        Metrics._render_histogram(lines, "voicertc_engine_step_seconds", hist, STEP_HELP)
+        metric(
+            "voicertc_engine_step_max_seconds",
+            "gauge",
+            "The longest engine step so far.",
+            [({}, steps.longest_ms / 1000.0)],
+        )
+        metric(
+            "voicertc_engine_steps_over_budget_total",
+            "counter",
+            "Engine steps longer than engine.max_step_ms.",
+            [({}, steps.over_budget)],
+        )
 
     @staticmethod
     def _render_histogram(lines: list[str], name: str, hist: Histogram, help_text: str) -> None:
@@ -124,4 +148,5 @@ class Metrics:
 
 
 TTFA_HELP = "Time to first audio frame, from when the utterance could play (opened, earlier speech over)."
+STEP_HELP = "Wall time of one engine step (one backend synthesis call)."
 RTF_HELP = "Engine real-time factor per utterance (synthesis time / audio time)."

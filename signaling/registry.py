@@ -38,6 +38,7 @@ class CallRegistry:
         self._new_call_arrived = asyncio.Event()
         metrics.active_calls = lambda: len(self.calls)
         metrics.live_calls = self._live_counters
+        metrics.engine_steps = lambda: getattr(engine, "step_stats", None)
 
     async def create(self, offer_sdp: str, voice: str | None = None) -> tuple[Call, str]:
         """Answer an offer as a new call: (call, answer SDP). 503 when `limits.max_calls` are open."""

@@ -53,6 +53,12 @@ def test_values_are_read_and_typed(tmp_path):
         ("[limits]\nvoice_max_s = 31\n", "limits.voice_max_s"),
         ("[limits]\nvoice_min_s = 5\nvoice_max_s = 2\n", "limits.voice_max_s"),
         ("[limits]\nvoice_max_bytes = 10\n", "limits.voice_max_bytes"),
+        ("[engine]\nmax_step_ms = 5\n", "engine.max_step_ms"),
+        ("[engine]\nmax_step_ms = 2.5\n", "engine.max_step_ms"),
+        ("[engine]\npiper_piece_phonemes = 3\n", "engine.piper_piece_phonemes"),
+        ("[engine]\npiper_piece_phonemes = -1\n", "engine.piper_piece_phonemes"),
+        ("[limits]\nmax_utterance_s = 0\n", "limits.max_utterance_s"),
+        ("[limits]\nmax_utterance_s = 'long'\n", "limits.max_utterance_s"),
     ],
 )
 def test_bad_values_name_the_key(tmp_path, text, key):
@@ -78,3 +84,11 @@ def test_every_shipped_key_has_a_comment():
     for line in (REPO / "config.toml").read_text().splitlines():
         if "=" in line and not line.lstrip().startswith("#"):
             assert "#" in line, f"config.toml line without a comment: {line!r}"
+
+
+def test_step_and_utterance_bounds_are_read(tmp_path):
+    text = "[engine]\nmax_step_ms = 150\npiper_piece_phonemes = 60\n[limits]\nmax_utterance_s = 30\n"
+    cfg = load_config(write(tmp_path, text))
+    assert (cfg.engine.max_step_ms, cfg.engine.piper_piece_phonemes) == (150, 60)
+    assert cfg.limits.max_utterance_s == 30.0
+    assert (Config().engine.max_step_ms, Config().limits.max_utterance_s) == (200, 120.0)

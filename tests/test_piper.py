@@ -46,15 +46,15 @@ def test_sentence_is_spoken_at_22050_hz_in_growing_chunks(piper_engine):
 def test_first_chunk_is_a_short_clause_and_later_chunks_grow(piper_engine):
     backend = piper_engine.backend
     spoken: list[str] = []
-    original = backend.synthesize
-    backend.synthesize = lambda text: spoken.append(text) or original(text)
+    original = backend.pieces
+    backend.pieces = lambda text, first=False: spoken.append(text) or original(text, first=first)
     try:
         log, sink = EventLog(), RecordingSink()
         sentences = [f"This is sentence number {n}, which has a handful of words." for n in range(12)]
         uid = piper_engine.say(None, sink, log, "Sure, here is the thing. " + " ".join(sentences))
         log.wait_terminal([uid], timeout_s=120)
     finally:
-        backend.synthesize = original
+        backend.pieces = original
     assert spoken[0] == "Sure, here is the thing."
     sizes = [len(text) for text in spoken]
     assert all(size <= backend.chunk_limit_chars(i) for i, size in enumerate(sizes))

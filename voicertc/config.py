@@ -69,6 +69,8 @@ class EngineConfig:
     load_in_background: bool = False
     model: str = ""
     max_ahead_ms: int = 2000
+    max_step_ms: int = 200
+    piper_piece_phonemes: int = 0
 
     @property
     def model_name(self) -> str:
@@ -96,6 +98,9 @@ class EngineConfig:
         _check(1 <= self.piper_threads <= 64, "engine.piper_threads", "must be 1..64")
         _check(0 <= self.first_clause_min_chars <= 200, "engine.first_clause_min_chars", "must be 0..200")
         _check(1 <= self.workers <= 64, "engine.workers", "must be 1..64")
+        _check(20 <= self.max_step_ms <= 10_000, "engine.max_step_ms", "must be 20..10000")
+        ok_piece = self.piper_piece_phonemes == 0 or 8 <= self.piper_piece_phonemes <= 2000
+        _check(ok_piece, "engine.piper_piece_phonemes", "must be 0 (sized from max_step_ms) or 8..2000")
         if self.model_name == "cosyvoice2":
             _check(bool(self.model_dir), "engine.model_dir", "is required for model cosyvoice2")
             _check(self.workers == 1, "engine.workers", "must be 1 for cosyvoice2 (one owner of the device)")
@@ -144,6 +149,7 @@ class LimitsConfig:
     voice_min_s: float = 1.0
     voice_max_s: float = 30.0
     voice_max_bytes: int = 10 * 1024 * 1024
+    max_utterance_s: float = 120.0
 
     def validate(self) -> None:
         _check(self.max_text_chars >= 1, "limits.max_text_chars", "must be >= 1")
@@ -158,6 +164,7 @@ class LimitsConfig:
             "limits.voice_max_bytes",
             "must be 1 KiB..100 MiB",
         )
+        _check(1 <= self.max_utterance_s <= 3600, "limits.max_utterance_s", "must be 1..3600")
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,12 @@ class InputError(VoiceRTCError):
     code = "bad_input"
 
 
+class UtteranceTooLongError(VoiceRTCError):
+    """An utterance's audio passed `[limits] max_utterance_s`; what was synthesized up to it is kept."""
+
+    code = "utterance_too_long"
+
+
 class EngineStoppedError(VoiceRTCError):
     """The engine is not running (not started, stopped, or its backend failed to load)."""
 

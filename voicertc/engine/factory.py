@@ -31,6 +31,8 @@ def backend_factory(config: Config) -> Callable[[], Backend]:
         return lambda: PiperBackend(  # type: ignore[return-value]
             threads=config.engine.piper_threads,
             first_clause_min_chars=config.engine.first_clause_min_chars,
+            max_step_ms=config.engine.max_step_ms,
+            piece_phonemes=config.engine.piper_piece_phonemes,
         )
     try:
         from voicertc.backends.cosyvoice2.engine_backend import create_backend
@@ -62,6 +64,8 @@ def create_engine(config: Config, *, local: bool = False) -> Engine:
             default_voice=config.engine.default_voice,
             max_text_chars=config.limits.max_text_chars,
             max_utterances=config.limits.max_utterances,
+            max_step_ms=config.engine.max_step_ms,
+            max_utterance_s=config.limits.max_utterance_s,
         )
         for i in range(config.engine.workers)
     ]

@@ -26,6 +26,7 @@ from typing import TypeVar
 
 from voicertc.engine.backend import Backend
 from voicertc.engine.protocol import AudioSink, Cancelled, Done, EngineEvent, EventCallback, Failed
+from voicertc.engine.step_stats import StepStats
 from voicertc.engine.worker import EngineWorker
 from voicertc.errors import InputError
 
@@ -64,6 +65,11 @@ class EnginePool:
     def stop(self, timeout_s: float = 10.0) -> None:
         for worker in self.workers:
             worker.stop(timeout_s)
+
+    @property
+    def step_stats(self) -> StepStats:
+        """Every worker's engine step times together."""
+        return StepStats.merged(worker.step_stats for worker in self.workers)
 
     def voices(self) -> list[str]:
         return self.workers[0].voices()

@@ -32,6 +32,8 @@ class Utterance:
     first_audio_s: float | None = None
     synthesis_done: bool = False
     audio_samples: int = 0  # written to the sink, at the backend's sample rate
+    synth_audio_s: float = 0.0  # accepted from the backend (capped by limits.max_utterance_s)
+    failure: Exception | None = None  # ends the utterance as Failed once its pending audio is written
     sample_rate_hz: int = 0
     chunks: int = 0
     steps: int = 0  # times the scheduler served this utterance (fairness)

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+import numpy as np
+
 from voicertc.engine.backend import Backend, SynthStep
 from voicertc.engine.protocol import (
     AudioSink,
@@ -36,8 +38,15 @@ from voicertc.engine.protocol import (
     Wake,
 )
 from voicertc.engine.scheduler import is_runnable, pick_next, sink_heads
+from voicertc.engine.step_stats import StepStats
 from voicertc.engine.utterance import Utterance
-from voicertc.errors import EngineStoppedError, InputError, UnknownVoiceError, VoiceRTCError
+from voicertc.errors import (
+    EngineStoppedError,
+    InputError,
+    UnknownVoiceError,
+    UtteranceTooLongError,
+    VoiceRTCError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +60,11 @@ class EngineWorker:
 
     Pass a `backend`, or a `backend_factory` to have the backend (model loading, device context) built
     on the worker thread itself; `start()` then waits until it is ready and re-raises a load error.
+
+    Bounds: every `backend.step` is timed into `step_stats` (a step longer than `max_step_ms` is
+    counted and logged once per utterance: backends cut their work so it should not happen); an
+    utterance whose audio passes `max_utterance_s` is cut there and ends `Failed` (`utterance_too_long`)
+    once the audio before the cut is in its sink.
     """
 
     def __init__(
@@ -62,6 +76,8 @@ class EngineWorker:
         default_voice: str = "",
         max_text_chars: int = 20_000,
         max_utterances: int = 64,
+        max_step_ms: float = 200.0,
+        max_utterance_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if (backend is None) == (backend_factory is None):
@@ -72,6 +88,8 @@ class EngineWorker:
         self.default_voice = default_voice
         self.max_text_chars = max_text_chars
         self.max_utterances = max_utterances
+        self.max_utterance_s = max_utterance_s
+        self.step_stats = StepStats(max_step_ms=max_step_ms)
         self.clock = clock
         self._queue: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._utterances: dict[str, Utterance] = {}  # worker thread only
@@ -361,13 +379,29 @@ class EngineWorker:
             if not utt.pending_pcm and not utt.synthesis_done:
                 started = self.clock()
                 result = self.backend.step(utt, started)
-                utt.add_metric("synth_s", self.clock() - started)
+                self._observe_step(utt, self.clock() - started)
                 self._accept(utt, result)
             self._write_pending(utt)
             if utt.utterance_id in self._utterances and utt.synthesis_done and not utt.pending_pcm:
-                self._complete(utt)
+                if utt.failure is not None:
+                    self._fail(utt, utt.failure)
+                else:
+                    self._complete(utt)
         except Exception as exc:  # noqa: BLE001 - isolated per utterance
             self._fail(utt, exc)
+
+    def _observe_step(self, utt: Utterance, step_s: float) -> None:
+        utt.add_metric("synth_s", step_s)
+        step_ms = 1000.0 * step_s
+        over_before = utt.metrics.get("max_step_ms", 0.0) > self.step_stats.max_step_ms
+        utt.metrics["max_step_ms"] = max(utt.metrics.get("max_step_ms", 0.0), step_ms)
+        if self.step_stats.observe(step_ms) and not over_before:
+            logger.warning(
+                "utterance %s: an engine step took %.0f ms (engine.max_step_ms = %.0f)",
+                utt.utterance_id,
+                step_ms,
+                self.step_stats.max_step_ms,
+            )
 
     def _accept(self, utt: Utterance, result: SynthStep) -> None:
         if result.text:  # before its PCM: the mark sits where this text's audio starts
@@ -377,12 +411,31 @@ class EngineWorker:
         if result.pcm:
             utt.sample_rate_hz = result.sample_rate_hz
             piece = max(1, result.sample_rate_hz * PIECE_MS // 1000)
-            for pcm in result.pcm:
+            for pcm in self._capped(utt, result.pcm, result.sample_rate_hz):
                 for start in range(0, len(pcm), piece):
                     utt.pending_pcm.append((pcm[start : start + piece], result.sample_rate_hz))
             utt.chunks += 1
-        if result.done:
+        if result.done or utt.failure is not None:
             utt.synthesis_done = True
+
+    def _capped(self, utt: Utterance, pcm_pieces: list[np.ndarray], rate_hz: int) -> list[np.ndarray]:
+        """The pieces up to `max_utterance_s` of the utterance's audio; past it, set its failure."""
+        kept = []
+        for pcm in pcm_pieces:
+            if self.max_utterance_s is not None:
+                room = max(0, round((self.max_utterance_s - utt.synth_audio_s) * rate_hz))
+                if len(pcm) > room:
+                    pcm = pcm[:room]
+                    utt.failure = UtteranceTooLongError(
+                        f"utterance too long: its audio passed limits.max_utterance_s = "
+                        f"{self.max_utterance_s:g} s; the first {self.max_utterance_s:g} s are spoken"
+                    )
+            utt.synth_audio_s += len(pcm) / rate_hz
+            if len(pcm):
+                kept.append(pcm)
+            if utt.failure is not None:
+                break
+        return kept
 
     def _write_pending(self, utt: Utterance) -> None:
         while utt.pending_pcm and utt.sink.has_room():

@@ -12,7 +12,7 @@ from pathlib import Path
 from aiohttp import web
 
 from signaling.app import create_app, http_url, listen_error
-from voicertc.config import BACKENDS, Config, load_config
+from voicertc.config import BACKENDS, ENGINE_KINDS, Config, load_config
 from voicertc.errors import ConfigError, VoiceRTCError
 
 logger = logging.getLogger("voicertc")
@@ -25,11 +25,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="config.toml (default: ./config.toml when present, else defaults)")
     serve.add_argument("--host", help="bind address (server.host)")
     serve.add_argument("--port", type=int, help="TCP port (server.port); 0 picks a free one")
-    serve.add_argument("--engine", choices=BACKENDS, help="engine backend (engine.backend)")
+    serve.add_argument("--engine", choices=BACKENDS + ENGINE_KINDS, help="engine backend (engine.backend)")
+    serve.add_argument("--model", choices=BACKENDS, help="model with --engine local|ray (engine.model)")
     serve.add_argument("--model-dir", help="CosyVoice2 model directory (engine.model_dir)")
     from voicertc.export.cli import add_commands
 
     add_commands(commands)
+    from voicertc.remote.cli import add_commands as add_remote_commands
+
+    add_remote_commands(commands)
     return parser
 
 
@@ -42,7 +46,11 @@ def resolve_config(args: argparse.Namespace) -> Config:
     server = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     if server:
         config = config.replace("server", **server)
-    engine = {k: v for k, v in (("backend", args.engine), ("model_dir", args.model_dir)) if v is not None}
+    engine = {
+        k: v
+        for k, v in (("backend", args.engine), ("model", args.model), ("model_dir", args.model_dir))
+        if v is not None
+    }
     if engine:
         config = config.replace("engine", **engine)
     return config
@@ -92,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         from voicertc.export.cli import run
 
         return run(args)
+    if args.command == "engine-serve":
+        from voicertc.remote.cli import run as run_engine_serve
+
+        return run_engine_serve(args)
     try:
         config = resolve_config(args)
     except VoiceRTCError as exc:

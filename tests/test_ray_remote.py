@@ -18,6 +18,9 @@ from typing import Any
 
 import pytest
 
+# Ray resolves 127.0.0.1 to the host's outward address unless told it is not a cluster: keep every
+# process of the test cluster (GCS, raylet, workers, agents) on loopback.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
@@ -33,6 +36,7 @@ from voicertc.engine.protocol import Cancelled, Done, EngineEvent, Failed, First
 from voicertc.errors import EngineUnavailableError  # noqa: E402
 from voicertc.remote.client import RemoteEngine, VersionSkewError, apply_auth  # noqa: E402
 from voicertc.remote.deployment import build_app  # noqa: E402
+from voicertc.remote.loopback import loopback_init_options, not_a_cluster  # noqa: E402
 from voicertc.webrtc import patch_aioice_loopback  # noqa: E402
 from voicertc.webrtc.call import Call  # noqa: E402
 
@@ -59,10 +63,12 @@ def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[None]:
     token.write_text(secrets.token_hex(32))
     saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
     apply_auth(RayConfig(auth_mode="token", auth_token_path=str(token)))
+    from ray._private import ray_constants
+
+    was_cluster = not_a_cluster()  # read at ray.init (the env var above only if set before import)
     ray.init(
         num_cpus=4,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
+        **loopback_init_options(),
         namespace="voicertc",
         log_to_driver=False,
         configure_logging=False,
@@ -81,6 +87,7 @@ def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[None]:
         with contextlib.suppress(Exception):
             serve.shutdown()
         ray.shutdown()
+        ray_constants.ENABLE_RAY_CLUSTER = was_cluster
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -215,7 +215,9 @@ async def test_interrupt_stops_the_replica_generator_within_one_chunk(engine):
             await client.wait_event("speech.started", timeout_s=20, utterance_id=handle.utterance_id)
             uid, _played = call.interrupt()
             assert uid == handle.utterance_id
-            assert (await handle.done())["type"] == "speech.interrupted"
+            interrupted = await handle.done()
+            assert interrupted["type"] == "speech.interrupted"
+            assert interrupted["heard_text"], interrupted  # the replica's text marks reached the sink
         finally:
             await client.close()
             await call.close("test over")

@@ -82,7 +82,7 @@ class _Utterance:
     received_ms: float = 0.0
     written_ms: float = 0.0
     credited_ms: float = 0.0
-    pending: deque[tuple[np.ndarray, int]] = field(default_factory=deque)
+    pending: deque[tuple[np.ndarray, int] | str] = field(default_factory=deque)  # PCM + text marks
     done: dict[str, Any] | None = None  # the replica's "done", held until pending PCM is written
     finished: bool = False
     task: asyncio.Task[None] | None = None
@@ -422,6 +422,9 @@ class RemoteEngine:
             utt.received_ms += 1000.0 * len(pcm) / rate
             utt.pending.append((pcm, rate))
             self._flush(utt)
+        elif kind == "text":
+            utt.pending.append(str(message[1]))
+            self._flush(utt)
         elif kind == "open":
             utt.replica = str(message[1]["replica"])
             self.replicas[utt.utterance_id] = utt.replica
@@ -466,7 +469,12 @@ class RemoteEngine:
         """Write held PCM while the ring has room; complete once the replica is done and all is in."""
         sink = utt.sink
         while utt.pending and not utt.finished and sink.has_room():
-            pcm, rate = utt.pending.popleft()
+            item = utt.pending.popleft()
+            if isinstance(item, str):
+                if (mark_text := getattr(sink, "mark_text", None)) is not None:
+                    mark_text(utt.utterance_id, utt.generation, item)
+                continue
+            pcm, rate = item
             if not sink.write(pcm, rate, utt.utterance_id, utt.generation):
                 self._finish(utt, Cancelled(utt.utterance_id))  # the ring was cleared (interrupt)
                 return
@@ -580,6 +588,17 @@ def apply_auth(ray_config: RayConfig) -> None:
         logger.debug("could not refresh Ray's cached config", exc_info=True)
 
 
+def _loopback_cluster(address: str) -> bool:
+    """The cluster runs on this machine's 127.0.0.1 (`engine-serve --local`, or "auto" finding one)."""
+    if address == "auto":
+        from ray._private import services
+
+        found = sorted(services.find_gcs_addresses())
+        address = found[0] if len(found) == 1 else ""
+    host = address.removeprefix("ray://").rpartition(":")[0] or address
+    return host in ("127.0.0.1", "localhost", "[::1]")
+
+
 def connect_ray(ray_config: RayConfig) -> bool:
     """Join the cluster as a driver (unless this process already did); True when this call did.
 
@@ -591,6 +610,10 @@ def connect_ray(ray_config: RayConfig) -> bool:
     if ray.is_initialized():
         return False
     apply_auth(ray_config)
+    if _loopback_cluster(ray_config.address):
+        from voicertc.remote.loopback import not_a_cluster
+
+        not_a_cluster()  # else Ray swaps 127.0.0.1 for this host's outward address and cannot connect
     error: list[BaseException] = []
 
     def init() -> None:

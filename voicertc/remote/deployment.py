@@ -83,6 +83,11 @@ class StreamSink:
         self._post(pcm_message(pcm, sample_rate_hz))
         return True
 
+    def mark_text(self, utterance_id: str, generation: int, text: str) -> None:
+        """The audio sent next speaks `text` (heard_text on the front-end): it travels in order."""
+        if text and not self._closed:
+            self._post(("text", text))
+
     def end_utterance(self, utterance_id: str, generation: int) -> None:
         """Nothing to flush here: the `done` event that follows ends the stream."""
 

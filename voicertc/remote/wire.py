@@ -1,7 +1,8 @@
 """What crosses between a front-end and an engine replica: versions and message shapes.
 
 A replica streams, per utterance: one `("open", header)`, then `("pcm", int16 bytes, rate_hz)` pieces
-(mono, the engine's own rate) and exactly one terminal `("event", {...})` ("done" | "failed" |
+(mono, the engine's own rate), `("text", str)` marks (the text the PCM after it speaks) and exactly one
+terminal `("event", {...})` ("done" | "failed" |
 "cancelled"). The front-end sends text deltas, end of input and playout credit with `control` calls.
 No Ray import here: the front-end's in-process mode and the tests' pure parts can use it.
 """

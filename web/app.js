@@ -1,5 +1,6 @@
-// voicertc demo page: one WebRTC call to the server, text in, speech out, live stats.
-// No framework. window.voicertc exposes the state and a 16 kHz capture for automated tests.
+// voicertc demo page: one WebRTC call to the server, text in, speech out, live stats; with the
+// Microphone toggle the call is two-way (the server hears the caller: speech state, transcripts,
+// barge-in). No framework. window.voicertc exposes the state and a 16 kHz capture for automated tests.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -8,6 +9,7 @@ const authHeaders = token ? { Authorization: `Bearer ${token}` } : {};
 const PING_MS = 2000;
 const DISCONNECTED_GRACE_MS = 5000; // a "disconnected" call that does not recover within this is hung up
 const HEARD_RMS = 0.01; // level above which the page counts audio as heard
+const MIC_CONSTRAINTS = { echoCancellation: true, noiseSuppression: true, autoGainControl: true };
 
 const state = {
   pc: null,
@@ -21,6 +23,10 @@ const state = {
   events: [],
   timers: [],
   disconnectTimer: null,
+  mic: null, // the microphone MediaStream while a two-way call runs
+  micCtx: null,
+  levels: null, // {mic: [[t_ms, rms]], heard: [[t_ms, rms]]} per ~16 ms block while recording (tests)
+  eventTimes: [], // performance.now() when each event in `events` arrived
 };
 
 function log(line) {
@@ -93,7 +99,16 @@ async function call() {
 async function startCall() {
   const pc = new RTCPeerConnection({ iceServers: [] });
   state.pc = pc;
-  pc.addTransceiver("audio", { direction: "recvonly" });
+  if ($("mic").checked) {
+    // two-way: the mic goes on the audio transceiver (sendrecv); the browser cancels our own voice
+    const mic = await navigator.mediaDevices.getUserMedia({ audio: MIC_CONSTRAINTS });
+    state.mic = mic;
+    pc.addTrack(mic.getAudioTracks()[0], mic);
+    watchMic(mic);
+    $("user-state").textContent = "silent";
+  } else {
+    pc.addTransceiver("audio", { direction: "recvonly" });
+  }
   const channel = pc.createDataChannel("events");
   state.channel = channel;
   channel.onmessage = (msg) => onEvent(JSON.parse(msg.data));
@@ -148,8 +163,39 @@ function attachAudio(stream) {
   state.timers.push(setInterval(drawLevel, 50));
 }
 
+function rmsOf(pcm) {
+  let sum = 0;
+  for (let i = 0; i < pcm.length; i++) sum += pcm[i] * pcm[i];
+  return Math.sqrt(sum / pcm.length);
+}
+
+// The mic's level, block by block (only recorded while a test asks for it).
+function watchMic(stream) {
+  const ctx = new AudioContext({ sampleRate: 16000 });
+  state.micCtx = ctx;
+  const source = ctx.createMediaStreamSource(stream);
+  const processor = ctx.createScriptProcessor(256, 1, 1);
+  const mute = ctx.createGain();
+  mute.gain.value = 0;
+  source.connect(processor);
+  processor.connect(mute);
+  mute.connect(ctx.destination);
+  processor.onaudioprocess = (ev) => {
+    if (state.levels) state.levels.mic.push([performance.now(), rmsOf(ev.inputBuffer.getChannelData(0))]);
+  };
+  ctx.resume();
+}
+
+function toggleMic() {
+  if (!state.mic) return; // before a call the box only chooses two-way or listen-only
+  const on = $("mic").checked;
+  state.mic.getAudioTracks().forEach((t) => (t.enabled = on));
+  log(on ? "microphone on" : "microphone muted");
+}
+
 function onPcm(pcm) {
   if (state.capture) state.capture.push(new Float32Array(pcm));
+  if (state.levels) state.levels.heard.push([performance.now(), rmsOf(pcm)]);
   if (state.speakAt === null) return;
   let sum = 0;
   for (let i = 0; i < pcm.length; i++) sum += pcm[i] * pcm[i];
@@ -196,8 +242,21 @@ function send(message) {
 function onEvent(ev) {
   if (ev.type === "pong") return;
   state.events.push(ev);
+  state.eventTimes.push(performance.now());
   if (ev.type === "speech.started") $("s-server-ttfa").textContent = `${ev.ttfa_ms.toFixed(0)} ms`;
+  if (ev.type === "user.speech.started") setUserState("speaking");
+  if (ev.type === "user.speech.stopped") setUserState("silent");
+  if (ev.type === "user.transcript") {
+    const li = document.createElement("li");
+    li.textContent = ev.text;
+    $("transcripts").appendChild(li);
+  }
   log(`${ev.type} ${JSON.stringify(ev)}`);
+}
+
+function setUserState(text) {
+  $("user-state").textContent = text;
+  $("user-state").className = text === "speaking" ? "speaking" : "";
 }
 
 function speak(text) {
@@ -224,6 +283,11 @@ async function hangup() {
   if (pc) pc.close();
   if (state.audioCtx) state.audioCtx.close();
   state.audioCtx = null;
+  if (state.mic) state.mic.getTracks().forEach((t) => t.stop());
+  state.mic = null;
+  if (state.micCtx) state.micCtx.close();
+  state.micCtx = null;
+  $("user-state").textContent = "not listening";
   state.analyser = null;
   setButtons(false);
   setConnection("idle");
@@ -233,6 +297,7 @@ $("call").onclick = call;
 $("hangup").onclick = hangup;
 $("speak").onclick = () => speak();
 $("interrupt").onclick = interrupt;
+$("mic").onchange = toggleMic;
 
 window.voicertc = {
   state,
@@ -242,6 +307,15 @@ window.voicertc = {
   interrupt,
   connectionState: () => (state.pc ? state.pc.connectionState : "idle"),
   channelOpen,
+  // Block levels of the mic and of what is heard, with performance.now() times (tests, benchmarks).
+  recordLevels: () => {
+    state.levels = { mic: [], heard: [] };
+  },
+  takeLevels: () => {
+    const levels = state.levels || { mic: [], heard: [] };
+    state.levels = { mic: [], heard: [] };
+    return levels;
+  },
   startCapture: () => {
     state.capture = [];
   },

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import hmac
 import logging
 import sys
 from collections.abc import Awaitable, Callable
@@ -19,6 +18,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from signaling.audio_ws import audio_routes
+from signaling.auth import auth_middleware, principal
 from signaling.errors import ApiError, error_response
 from signaling.metrics import Metrics
 from signaling.openapi import openapi_spec
@@ -50,7 +50,7 @@ def create_app(config: Config, engine: Engine | None = None) -> web.Application:
     if not static_dir.is_dir():
         raise ConfigError(f"server.static_dir: {str(static_dir)!r} is not a folder")
     app = web.Application(
-        middlewares=[_errors, _auth(config.auth.tokens)],
+        middlewares=[_errors, auth_middleware(config.auth)],
         client_max_size=4 * 1024 * 1024,
         handler_args={"logger": ProtocolLogger(logging.getLogger("aiohttp.server"))},
     )
@@ -162,35 +162,17 @@ async def _error_json(request: web.Request, handler: Handler) -> web.StreamRespo
         return error_response(500, "internal_error", "internal server error (see the server log)")
 
 
-def _auth(tokens: tuple[str, ...]) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
-    """Bearer tokens on /v1 when `[auth] tokens` is set: 401 without a token, 403 with a wrong one."""
-
-    @web.middleware
-    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not tokens or not request.path.startswith("/v1"):
-            return await handler(request)
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            return error_response(
-                401, "unauthorized", "missing 'Authorization: Bearer <token>'", {"WWW-Authenticate": "Bearer"}
-            )
-        if not any(hmac.compare_digest(token.strip().encode(), t.encode()) for t in tokens):
-            return error_response(403, "forbidden", "bearer token not accepted")
-        return await handler(request)
-
-    return auth
-
-
 async def _healthz(request: web.Request) -> web.Response:
+    """Liveness for anyone; the engine, its voices and the caller's open calls only with a valid token
+    (or when auth is off)."""
     engine = request.app[ENGINE]
     running = bool(getattr(engine, "running", True))
-    body = {
-        "status": "ok" if running else "engine_stopped",
-        "engine": request.app[CONFIG].engine.backend,
-        "voices": engine.voices(),  # type: ignore[attr-defined]
-        "active_calls": len(request.app[REGISTRY].calls),
-    }
+    body: dict[str, object] = {"status": "ok" if running else "engine_stopped"}
+    caller = principal(request)
+    if caller.sees_details:
+        body["engine"] = request.app[CONFIG].engine.backend
+        body["voices"] = engine.voices()  # type: ignore[attr-defined]
+        body["active_calls"] = request.app[REGISTRY].count_for(caller)
     return web.json_response(body, status=200 if running else 503)
 
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import uuid
-from collections import deque
+from collections import Counter, deque
 
+from signaling.auth import ANONYMOUS, Principal
 from signaling.errors import ApiError
 from signaling.metrics import Metrics
 from voicertc.config import Config
@@ -32,7 +34,9 @@ class CallRegistry:
         self.config = config
         self.metrics = metrics
         self.calls: dict[str, Call] = {}
-        self._reserved = 0  # offers being answered right now count against max_calls
+        self._owners: dict[str, str | None] = {}  # call id -> digest of the token that created it
+        self._pending_keys: dict[str, str] = {}  # call id -> who it counts against for max_pending_calls
+        self._reserved: Counter[str] = Counter()  # offers being answered right now, by pending key
         self.queue_new_calls = False  # set by an embedder (VoiceServer) that takes calls with next_call()
         self._new_calls: deque[Call] = deque()  # answered, open, not yet taken by next_call()
         self._new_call_arrived = asyncio.Event()
@@ -40,20 +44,40 @@ class CallRegistry:
         metrics.live_calls = self._live_counters
         metrics.engine_steps = lambda: getattr(engine, "step_stats", None)
 
-    async def create(self, offer_sdp: str, voice: str | None = None) -> tuple[Call, str]:
-        """Answer an offer as a new call: (call, answer SDP). 503 when `limits.max_calls` are open."""
+    async def create(
+        self,
+        offer_sdp: str,
+        voice: str | None = None,
+        *,
+        owner: Principal = ANONYMOUS,
+        client: str = "",
+    ) -> tuple[Call, str]:
+        """Answer an offer as a new call of `owner`: (call, answer SDP). 503 when `limits.max_calls` are
+        open; 429 when this token (or, without auth, this client address) has `limits.max_pending_calls`
+        calls that have not connected yet."""
         if not getattr(self.engine, "running", True):
             raise EngineStoppedError("the engine is not running; no calls can be answered")
-        if len(self.calls) + self._reserved >= self.config.limits.max_calls:
+        limits = self.config.limits
+        if len(self.calls) + self._reserved.total() >= limits.max_calls:
             raise ApiError(
                 503,
                 "too_many_calls",
-                f"{self.config.limits.max_calls} calls are open (limits.max_calls); try again later",
+                f"{limits.max_calls} calls are open (limits.max_calls); try again later",
                 {"Retry-After": str(RETRY_AFTER_S)},
+            )
+        key = owner.owner or f"client:{client}"
+        if self.pending_calls(key) >= limits.max_pending_calls:
+            retry_s = math.ceil(self.config.webrtc.pending_timeout_s)
+            raise ApiError(
+                429,
+                "too_many_pending_calls",
+                f"{limits.max_pending_calls} calls of this client have not connected yet "
+                "(limits.max_pending_calls); connect them or wait",
+                {"Retry-After": str(retry_s)},
             )
         if voice:
             self.check_voice(voice)
-        self._reserved += 1
+        self._reserved[key] += 1
         try:
             call = Call(uuid.uuid4().hex[:16], self.engine, self.config, voice=voice)
             try:
@@ -64,10 +88,14 @@ class CallRegistry:
                     400, "bad_sdp", f"cannot answer the offer: {type(exc).__name__}: {exc}"
                 ) from exc
         finally:
-            self._reserved -= 1
+            self._reserved[key] -= 1
+            if not self._reserved[key]:
+                del self._reserved[key]
         if call.closed.is_set():  # its connection failed while the answer was being made
             raise ApiError(409, "call_closed", f"the call closed while it was answered ({call.close_reason})")
         self.calls[call.call_id] = call
+        self._owners[call.call_id] = owner.owner
+        self._pending_keys[call.call_id] = key
         call.on_event = self._count_event
         call.speech.on_synthesized = self.metrics.observe_engine
         call.add_close_listener(self._forget)
@@ -77,16 +105,30 @@ class CallRegistry:
             self._new_call_arrived.set()
         return call, answer
 
+    def pending_calls(self, key: str) -> int:
+        """Calls counted against `key` that are being answered or have not connected yet."""
+        waiting = sum(
+            1
+            for call_id, call in self.calls.items()
+            if call.connected_s is None and self._pending_keys.get(call_id) == key
+        )
+        return waiting + self._reserved[key]
+
     def check_voice(self, voice: str) -> None:
         voices = self.engine.voices()
         if voice not in voices:
             raise ApiError(400, "unknown_voice", f"unknown voice {voice!r}; available: {', '.join(voices)}")
 
-    def get(self, call_id: str) -> Call:
+    def get(self, call_id: str, caller: Principal = ANONYMOUS) -> Call:
+        """The call, if `caller` may use it: another token's call is as unknown as a missing one."""
         call = self.calls.get(call_id)
-        if call is None:
+        if call is None or not caller.may_use(self._owners.get(call_id)):
             raise ApiError(404, "unknown_call", f"no call {call_id!r} (hung up, timed out or never existed)")
         return call
+
+    def count_for(self, caller: Principal) -> int:
+        """Open calls `caller` may see."""
+        return sum(1 for call_id in self.calls if caller.may_use(self._owners.get(call_id)))
 
     async def next_call(self) -> Call:
         """The next open call not taken yet (answered since `queue_new_calls` was set), oldest first."""
@@ -113,6 +155,8 @@ class CallRegistry:
     def _forget(self, call: Call) -> None:
         if self.calls.pop(call.call_id, None) is not None:
             self.metrics.add_closed(call.counters())
+        self._owners.pop(call.call_id, None)
+        self._pending_keys.pop(call.call_id, None)
         if call in self._new_calls:
             self._new_calls.remove(call)
         logger.info("call %s freed (%s); %d open", call.call_id, call.close_reason, len(self.calls))

@@ -14,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
+from signaling.auth import principal
 from signaling.errors import ApiError
 from signaling.registry import CallRegistry
 from signaling.sdp import check_not_restart, check_offer, parse_sdpfrag
@@ -43,7 +44,7 @@ def _registry(request: web.Request) -> CallRegistry:
 
 
 def _call(request: web.Request) -> Call:
-    return _registry(request).get(request.match_info["call_id"])
+    return _registry(request).get(request.match_info["call_id"], principal(request))
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
@@ -96,7 +97,9 @@ async def create_call(request: web.Request) -> web.Response:
     else:
         raise _unsupported(request, "application/sdp or application/json")
     check_offer(offer)
-    call, answer = await _registry(request).create(offer, voice)
+    call, answer = await _registry(request).create(
+        offer, voice, owner=principal(request), client=request.remote or ""
+    )
     # Behind a load balancer the call lives on this front-end: later requests must reach it here.
     location = f"{call.config.server.public_url.rstrip('/')}/v1/calls/{call.call_id}"
     headers = {"Location": location}

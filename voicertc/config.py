@@ -38,6 +38,7 @@ class WebRTCConfig:
     stereo: bool = True
     interrupt_fade_ms: int = 10
     connect_timeout_s: float = 30.0
+    pending_timeout_s: float = 10.0
     keepalive_timeout_s: float = 10.0
     trim_leading_silence_ms: int = 100
 
@@ -46,6 +47,7 @@ class WebRTCConfig:
         _check(self.sample_rate_hz == 48000, "webrtc.sample_rate_hz", "must be 48000 (Opus)")
         _check(0 <= self.interrupt_fade_ms <= 100, "webrtc.interrupt_fade_ms", "must be 0..100")
         _check(self.connect_timeout_s > 0, "webrtc.connect_timeout_s", "must be > 0")
+        _check(0 < self.pending_timeout_s <= 300, "webrtc.pending_timeout_s", "must be > 0 and <= 300")
         _check(self.keepalive_timeout_s > 0, "webrtc.keepalive_timeout_s", "must be > 0")
         _check(0 <= self.trim_leading_silence_ms <= 1000, "webrtc.trim_leading_silence_ms", "must be 0..1000")
 
@@ -143,6 +145,7 @@ class FakeConfig:
 class LimitsConfig:
     max_text_chars: int = 20_000
     max_calls: int = 16
+    max_pending_calls: int = 4
     max_utterances: int = 64
     max_queued_utterances: int = 32
     text_idle_timeout_s: float = 30.0
@@ -154,6 +157,7 @@ class LimitsConfig:
     def validate(self) -> None:
         _check(self.max_text_chars >= 1, "limits.max_text_chars", "must be >= 1")
         _check(self.max_calls >= 1, "limits.max_calls", "must be >= 1")
+        _check(self.max_pending_calls >= 1, "limits.max_pending_calls", "must be >= 1")
         _check(self.max_utterances >= 1, "limits.max_utterances", "must be >= 1")
         _check(self.max_queued_utterances >= 1, "limits.max_queued_utterances", "must be >= 1")
         _check(self.text_idle_timeout_s > 0, "limits.text_idle_timeout_s", "must be > 0")
@@ -170,9 +174,22 @@ class LimitsConfig:
 @dataclass(frozen=True)
 class AuthConfig:
     tokens: tuple[str, ...] = ()
+    admin_tokens: tuple[str, ...] = ()
+    protect_metrics: bool = False
 
     def validate(self) -> None:
         _check(all(t.strip() for t in self.tokens), "auth.tokens", "must not contain empty tokens")
+        _check(all(t.strip() for t in self.admin_tokens), "auth.admin_tokens", "must not hold empty tokens")
+        _check(
+            not self.protect_metrics or bool(self.tokens or self.admin_tokens),
+            "auth.protect_metrics",
+            "needs auth.tokens or auth.admin_tokens (a token to read /metrics with)",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        """Bearer tokens are required on /v1 (some token is configured)."""
+        return bool(self.tokens or self.admin_tokens)
 
 
 BARGE_IN_MODES = ("off", "speech", "words")

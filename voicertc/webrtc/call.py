@@ -2,9 +2,11 @@
 `events` data channel, microphone listener, liveness.
 
 Runs on the event loop. A call is freed (engine utterances cancelled, ring dropped, tasks cancelled,
-peer connection closed) when it is hung up, when its connection fails or closes, when it does not
-connect within `webrtc.connect_timeout_s`, or when its data channel goes silent for
-`webrtc.keepalive_timeout_s` after the client started pinging.
+peer connection closed) when it is hung up, when its connection fails or closes, when its ICE/DTLS does
+not connect within `webrtc.pending_timeout_s` (so offers that never connect do not hold `max_calls`
+slots), when it is not fully set up (connected, and its data channel open if the offer had one) within
+`webrtc.connect_timeout_s`, or when its data channel goes silent for `webrtc.keepalive_timeout_s` after
+the client started pinging.
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ class Call:
         self._mic_offered = False
         self._listening = asyncio.Event()
         self.barge_ins = 0
+        self._expects_channel = False  # the offer has an application m-line (a data channel comes)
+        self._channel_seen = False
         self.pc.on("connectionstatechange", self._on_connection_state)
         self.pc.on("datachannel", self._on_datachannel)
         self.pc.on("track", self._on_track)
@@ -107,6 +111,7 @@ class Call:
             for m in parsed.media
             if m.ice.usernameFragment and m.ice.password
         }
+        self._expects_channel = any(m.kind == "application" for m in parsed.media)
         audio = [m for m in parsed.media if m.kind == "audio"]
         self._mic_offered = self.config.listen.enabled and any(
             m.direction in (None, "sendrecv", "sendonly") for m in audio[:1]
@@ -271,12 +276,7 @@ class Call:
     def _emit(self, event: ClientEvent) -> None:
         if self.on_event is not None:
             self.on_event(event)
-        channel = self.channel
-        if channel is not None and channel.readyState == "open":
-            try:
-                channel.send(json.dumps(event))
-            except Exception:  # noqa: BLE001 - a dying channel must not break the others
-                logger.debug("call %s: data channel send failed", self.call_id, exc_info=True)
+        self._send_direct(event)
         for queue in list(self._subscribers):
             if not queue.maxsize or queue.qsize() < queue.maxsize - 1:
                 queue.put_nowait(event)
@@ -297,6 +297,7 @@ class Call:
     # --- data channel -----------------------------------------------------------------------------
 
     def _on_datachannel(self, channel: RTCDataChannel) -> None:
+        self._channel_seen = True
         if channel.label != EVENTS_CHANNEL:
             logger.info("call %s: ignoring data channel %r", self.call_id, channel.label)
             return
@@ -328,16 +329,27 @@ class Call:
                 self._emit(_error("bad_message", "speak needs a string 'text'"))
                 return
             voice = data.get("voice") if isinstance(data.get("voice"), str) else None
-            self.speak(text, voice=voice, interrupt=bool(data.get("interrupt", False)))  # emits speech.queued
+            interrupt = data.get("interrupt", False)
+            if not isinstance(interrupt, bool):
+                self._emit(_error("bad_message", "speak's 'interrupt' must be true or false"))
+                return
+            self.speak(text, voice=voice, interrupt=interrupt)  # emits speech.queued
         elif kind == "interrupt":
             self.interrupt()
         else:
             self._emit(_error("bad_message", f"unknown message type {kind!r}"))
 
     def _send_direct(self, event: ClientEvent) -> None:
-        """A reply for the data channel only (pong)."""
-        if self.channel is not None and self.channel.readyState == "open":
-            self.channel.send(json.dumps(event))
+        """Send on the data channel while its DTLS transport is connected. After a client vanished the
+        channel may still say "open": a send then would fail in a task aiortc never awaits
+        ("Cannot send encrypted data, not connected"), so nothing is sent."""
+        channel = self.channel
+        if channel is None or channel.readyState != "open" or not _dtls_connected(channel):
+            return
+        try:
+            channel.send(json.dumps(event))
+        except Exception:  # noqa: BLE001 - a dying channel must not break the others
+            logger.debug("call %s: data channel send failed", self.call_id, exc_info=True)
 
     # --- liveness ---------------------------------------------------------------------------------
 
@@ -349,14 +361,22 @@ class Call:
         elif state in ("failed", "closed"):
             await self.close(f"connection {state}")
 
+    @property
+    def set_up(self) -> bool:
+        """Connected, and its data channel announced when the offer had one."""
+        return self.connected_s is not None and (self._channel_seen or not self._expects_channel)
+
     async def _watch(self) -> None:
         """Close the call when it never connects or its data channel goes silent after pinging."""
         webrtc = self.config.webrtc
         while not self.closed.is_set():
             await asyncio.sleep(WATCHDOG_PERIOD_S)
             now = self.loop.time()
-            if self.connected_s is None and now - self.created_s > webrtc.connect_timeout_s:
-                await self.close("connect timeout")  # close() never cancels its caller
+            if self.connected_s is None and now - self.created_s > webrtc.pending_timeout_s:
+                await self.close("pending timeout")  # close() never cancels its caller
+                return
+            if not self.set_up and now - self.created_s > webrtc.connect_timeout_s:
+                await self.close("connect timeout")
                 return
             if self.last_ping_s is not None and now - self.last_ping_s > webrtc.keepalive_timeout_s:
                 await self.close("keepalive timeout")
@@ -436,6 +456,11 @@ def check_audio_codecs(audio_media: list[Any]) -> None:
 
 class CallClosedError(VoiceRTCError):
     code = "call_closed"
+
+
+def _dtls_connected(channel: RTCDataChannel) -> bool:
+    sctp = channel.transport
+    return getattr(getattr(sctp, "transport", None), "state", None) == "connected"
 
 
 def _error(code: str, message: str) -> ClientEvent:

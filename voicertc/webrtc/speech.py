@@ -36,6 +36,12 @@ class QueueFullError(VoiceRTCError):
     code = "too_many_utterances"
 
 
+class EngineBusyError(QueueFullError):
+    """The engine has `limits.max_utterances` open utterances and this one would open now (HTTP 429)."""
+
+    code = "engine_busy"
+
+
 @dataclass
 class SpeechHandle:
     """One utterance of a call, as its speaker sees it. Owned by the event loop.
@@ -117,6 +123,7 @@ class SpeechQueue:
                 f"{len(self._by_id)} utterances are already queued or playing on this call "
                 f"(limits.max_queued_utterances = {self.max_queued})"
             )
+        self._check_engine_room()
         handle = SpeechHandle(uuid.uuid4().hex[:12], voice, self._loop.time())
         self._by_id[handle.utterance_id] = handle
         self._queue.append(handle)
@@ -129,18 +136,35 @@ class SpeechQueue:
         self._pump()
         return handle
 
+    def _check_engine_room(self) -> None:
+        """Refuse at the request, not with a later error event, an utterance that would open in an
+        engine at its open-utterance limit. One queued behind this call's own opens in the slot its
+        predecessor frees; cancelled utterances stop counting at once (`Engine.open_count`)."""
+        if self._active is not None or self._queue:
+            return
+        open_count = getattr(self.engine, "open_count", None)
+        limit = getattr(self.engine, "max_utterances", None)
+        if isinstance(open_count, int) and isinstance(limit, int) and open_count >= limit:
+            raise EngineBusyError(
+                f"the engine has {open_count} open utterances (limits.max_utterances = {limit}); retry soon"
+            )
+
     async def _feed(self, handle: SpeechHandle, deltas: AsyncIterable[str]) -> None:
-        """Pull deltas into the utterance; a stream silent for `text_idle_timeout_s` fails it, so an
-        input that never ends cannot hold the call's queue forever."""
+        """Pull deltas into the utterance; a stream that brings no text (silent, or only empty or blank
+        deltas) for `text_idle_timeout_s` fails it, so an input that never ends cannot hold the call's
+        queue forever."""
         stream = aiter(deltas)
+        deadline_s = self._loop.time() + self.text_idle_timeout_s
         try:
             while not handle.finished:
                 try:
-                    async with asyncio.timeout(self.text_idle_timeout_s):
+                    async with asyncio.timeout_at(deadline_s):
                         delta = await anext(stream)
                 except StopAsyncIteration:
                     self.end_input(handle)
                     return
+                if isinstance(delta, str) and delta.strip():
+                    deadline_s = self._loop.time() + self.text_idle_timeout_s
                 self.push(handle, delta)
         except TimeoutError:
             message = f"no text for {self.text_idle_timeout_s:g} s (limits.text_idle_timeout_s)"

@@ -15,6 +15,7 @@ import socket
 
 from aiohttp import WSMsgType, web
 
+from signaling.auth import principal
 from signaling.errors import ApiError
 from signaling.routes import REGISTRY
 from voicertc.listen.inbound import LISTEN_RATE_HZ
@@ -38,7 +39,7 @@ FORMAT = {
 
 @audio_routes.get("/v1/calls/{call_id}/audio")
 async def call_audio(request: web.Request) -> web.StreamResponse:
-    call = request.app[REGISTRY].get(request.match_info["call_id"])
+    call = request.app[REGISTRY].get(request.match_info["call_id"], principal(request))
     listen = call.config.listen
     if not listen.enabled:
         raise ApiError(409, "listening_off", "this server does not listen ([listen] enabled = false)")

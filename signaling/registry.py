@@ -119,7 +119,7 @@ class CallRegistry:
         if voice not in voices:
             raise ApiError(400, "unknown_voice", f"unknown voice {voice!r}; available: {', '.join(voices)}")
 
-    def get(self, call_id: str, caller: Principal = ANONYMOUS) -> Call:
+    def get(self, call_id: str, caller: Principal) -> Call:
         """The call, if `caller` may use it: another token's call is as unknown as a missing one."""
         call = self.calls.get(call_id)
         if call is None or not caller.may_use(self._owners.get(call_id)):

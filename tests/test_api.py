@@ -327,7 +327,7 @@ async def test_ndjson_blank_lines_count_against_the_limit():
 async def test_sse_client_that_disconnects_is_unsubscribed():
     async with api() as client:
         call_id, _peer = await open_call(client)
-        call = client.server.app[REGISTRY].get(call_id)
+        call = client.server.app[REGISTRY].calls[call_id]
         resp = await client.get(f"/v1/calls/{call_id}/events")
         assert len(call._subscribers) == 1
         resp.close()

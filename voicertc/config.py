@@ -73,6 +73,7 @@ class EngineConfig:
     max_ahead_ms: int = 2000
     max_step_ms: int = 200
     piper_piece_phonemes: int = 0
+    max_batch: int = 16
 
     @property
     def model_name(self) -> str:
@@ -103,6 +104,7 @@ class EngineConfig:
         _check(20 <= self.max_step_ms <= 10_000, "engine.max_step_ms", "must be 20..10000")
         ok_piece = self.piper_piece_phonemes == 0 or 8 <= self.piper_piece_phonemes <= 2000
         _check(ok_piece, "engine.piper_piece_phonemes", "must be 0 (sized from max_step_ms) or 8..2000")
+        _check(1 <= self.max_batch <= 256, "engine.max_batch", "must be 1..256")
         if self.model_name == "cosyvoice2":
             _check(bool(self.model_dir), "engine.model_dir", "is required for model cosyvoice2")
             _check(self.workers == 1, "engine.workers", "must be 1 for cosyvoice2 (one owner of the device)")

@@ -1,16 +1,27 @@
-"""The synthesis step a backend implements; the worker, schedule and sinks don't know which runs.
+"""What a backend implements; the worker, scheduler and sinks don't know which runs.
 
-Every method runs on the engine worker thread.
+Two shapes, every method on the engine worker thread (but `voices()`):
+
+* `BatchBackend[S]` — the serving shape. `begin(utt)` returns the utterance's typed state `S`;
+  `plan(utt)` names the next unit of work (`voicertc.engine.work`) without side effects; `run(batch)`
+  does a batch of compatible units that the scheduler formed, returning each utterance's `SynthStep`
+  or exception (one utterance's failure is its own).
+* `Backend` — the simple shape (Piper, the fake engine): `has_work` / `step` one utterance at a time.
+  `StepBackendAdapter` plans one `Synth` unit per step for it, so the worker only knows the first shape.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
 from voicertc.engine.utterance import Utterance
+from voicertc.engine.work import Job, Synth, Work
+
+S = TypeVar("S")
 
 
 @dataclass
@@ -21,6 +32,9 @@ class SynthStep:
     sample_rate_hz: int = 0
     done: bool = False  # no more audio will come for this utterance
     text: str = ""  # the text this step's audio speaks ("" = unknown / none); feeds heard_text
+
+
+StepResult = SynthStep | BaseException
 
 
 class Backend(Protocol):
@@ -51,3 +65,76 @@ class Backend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class BatchBackend(Protocol[S]):
+    name: str
+
+    def voices(self) -> list[str]: ...
+
+    def begin(self, utt: Utterance[S]) -> S:
+        """The new utterance's state (the worker stores it); raise UnknownVoiceError / InputError."""
+        ...
+
+    def plan(self, utt: Utterance[S], now_s: float) -> Work | None:
+        """The next unit for `utt`, or None (only new input, or time, helps). No side effects."""
+        ...
+
+    def run(self, batch: Sequence[Job[S]], now_s: float) -> list[StepResult]:
+        """Do the batch (units the scheduler grouped by `work.batch_key`); one result per job, in order."""
+        ...
+
+    def wake_at(self, utt: Utterance[S]) -> float | None: ...
+
+    def release(self, utt: Utterance[S]) -> None:
+        """Free everything held for `utt` (exactly once, also on cancel and failure)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def is_batch_backend(backend: object) -> bool:
+    return callable(getattr(backend, "plan", None)) and callable(getattr(backend, "run", None))
+
+
+class StepBackendAdapter(Generic[S]):
+    """A `Backend` seen as a `BatchBackend`: one `Synth` unit per step, run one utterance at a time."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.name = backend.name
+
+    def voices(self) -> list[str]:
+        return self.backend.voices()
+
+    def begin(self, utt: Utterance[Any]) -> Any:
+        self.backend.begin(utt)
+        return utt.backend_state
+
+    def plan(self, utt: Utterance[Any], now_s: float) -> Work | None:
+        # has_work of a simple backend may take text into its state: the one side effect it is allowed
+        return Synth() if self.backend.has_work(utt, now_s) else None
+
+    def run(self, batch: Sequence[Job[Any]], now_s: float) -> list[StepResult]:
+        results: list[StepResult] = []
+        for job in batch:
+            try:
+                results.append(self.backend.step(job.utt, now_s))
+            except Exception as exc:  # noqa: BLE001 - isolated per utterance
+                results.append(exc)
+        return results
+
+    def wake_at(self, utt: Utterance[Any]) -> float | None:
+        return self.backend.wake_at(utt)
+
+    def release(self, utt: Utterance[Any]) -> None:
+        self.backend.release(utt)
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def as_batch_backend(backend: object) -> BatchBackend[Any]:
+    if is_batch_backend(backend):
+        return backend  # type: ignore[return-value]
+    return StepBackendAdapter(backend)  # type: ignore[arg-type]

@@ -66,6 +66,7 @@ def create_engine(config: Config, *, local: bool = False) -> Engine:
             max_utterances=config.limits.max_utterances,
             max_step_ms=config.engine.max_step_ms,
             max_utterance_s=config.limits.max_utterance_s,
+            max_batch=config.engine.max_batch,
         )
         for i in range(config.engine.workers)
     ]

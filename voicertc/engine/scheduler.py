@@ -1,22 +1,31 @@
-"""Which utterance the worker serves next: pure functions over the worker's utterances.
+"""Which work the worker runs next, as one batch: pure functions over planned units (no clock, no I/O).
 
 Utterances that share a sink (one call) play in the order they were opened, so only the oldest
 open utterance of each sink is a candidate. A candidate is runnable when it can write audio it
 already has, finish, or make synthesis progress, and its sink has room (backpressure).
 
-Among the runnable ones, earliest deadline first: an utterance that is playing and has less than
-`STARVING_MS` of audio queued would underrun soon, so it goes first (least queued first); then
-utterances still waiting for their first audio (time to first audio is what a listener notices),
-oldest first; then the rest take turns, least served first (keeping them in step also lets a backend
-batch their chunks).
+Priorities, earliest deadline first: an utterance that is playing and has less than `STARVING_MS` of
+audio queued would underrun soon, so it goes first (least queued first); then utterances still waiting
+for their first audio (time to first audio is what a listener notices), oldest first; then the rest take
+turns, least served first.
+
+Batches: the most urgent unit leads; every other unit with the same `batch_key` joins it, most urgent
+first, up to `max_batch` (all runnable LLM decodes in one forward; flow chunks that advance by the same
+number of tokens; vocoder runs across utterances). Pull-forward: when the leader is a flow chunk and some
+decoding utterance is at most `pull_tokens` tokens short of a chunk with the same advance, the decodes run
+first (the leader is not starving), so the chunks then run as one batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeVar
 
 from voicertc.engine.backend import Backend
 from voicertc.engine.utterance import Utterance
+from voicertc.engine.work import Decode, FlowChunk, Job, batch_key
+
+J = TypeVar("J", bound=Job[Any])
 
 
 def sink_heads(utterances: Iterable[Utterance]) -> list[Utterance]:
@@ -41,13 +50,37 @@ def is_runnable(utt: Utterance, backend: Backend, now_s: float) -> bool:
 STARVING_MS = 300.0
 
 
+def urgency(utt: Utterance) -> tuple[int, float]:
+    """Sort key, most urgent first (see the module docstring)."""
+    if utt.first_audio_s is None:
+        return (1, utt.opened_s)
+    queued_ms = utt.sink.queued_ms
+    return (0, queued_ms) if queued_ms < STARVING_MS else (2, float(utt.steps))
+
+
 def pick_next(runnable: list[Utterance]) -> Utterance:
     """The most urgent runnable utterance (see the module docstring)."""
+    return min(runnable, key=urgency)
 
-    def key(utt: Utterance) -> tuple[int, float]:
-        if utt.first_audio_s is None:
-            return (1, utt.opened_s)
-        queued_ms = utt.sink.queued_ms
-        return (0, queued_ms) if queued_ms < STARVING_MS else (2, float(utt.steps))
 
-    return min(runnable, key=key)
+def form_batch(candidates: Sequence[J], max_batch: int, pull_tokens: int = 0) -> list[J]:
+    """The batch to run now: the most urgent unit and its compatible partners (module docstring)."""
+    if not candidates:
+        return []
+    ranked = sorted(candidates, key=lambda job: urgency(job.utt))
+    leader = ranked[0]
+    work = leader.work
+    if isinstance(work, FlowChunk) and not work.final and pull_tokens > 0 and urgency(leader.utt)[0] != 0:
+        if any(_pullable(job, work.advance_tokens, pull_tokens) for job in ranked):
+            decodes = [job for job in ranked if isinstance(job.work, Decode)]
+            decodes.sort(key=lambda job: not _pullable(job, work.advance_tokens, pull_tokens))  # stable
+            return decodes[: max(1, max_batch)]
+    key = batch_key(work)
+    if key is None:
+        return [leader]
+    return [job for job in ranked if batch_key(job.work) == key][: max(1, max_batch)]
+
+
+def _pullable(job: Job[Any], advance: int, pull_tokens: int) -> bool:
+    work = job.work
+    return isinstance(work, Decode) and 0 < work.until_chunk <= pull_tokens and work.chunk_advance == advance

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Generic, TypeVar
 
 import numpy as np
 
 from voicertc.engine.protocol import AudioSink, EventCallback
 
+S = TypeVar("S")
+
 
 @dataclass
-class Utterance:
+class Utterance(Generic[S]):
     """Everything the worker knows about one utterance.
 
-    Invariants: `text` holds text pushed but not yet taken by the backend; `pending_pcm` holds audio
-    synthesized but not yet written to the sink (backpressure); `backend_state` belongs to the backend.
+        Invariants: `text` holds text pushed but not yet taken by the backend; `pending_pcm` holds audio
+        synthesized but not yet written to the sink (backpressure); `backend_state` (the backend's own state
+    type `S`, set from `begin`) belongs to the backend.
     """
 
     utterance_id: str
@@ -38,7 +41,7 @@ class Utterance:
     chunks: int = 0
     steps: int = 0  # times the scheduler served this utterance (fairness)
     pending_pcm: deque[tuple[np.ndarray, int]] = field(default_factory=deque)
-    backend_state: Any = None
+    backend_state: S | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
     def take_text(self) -> str:

@@ -4,6 +4,11 @@ Runs on its own thread. Callers (any thread) only enqueue typed commands. The th
 queue when nothing is runnable — with a timeout only when a backend names a time it becomes ready
 (`Backend.wake_at`) — so it never polls. A failure inside one utterance becomes that utterance's
 `Failed` event; the others keep going.
+
+One loop iteration: write audio already synthesized (and finish utterances that are done), ask the
+backend to `plan` the next unit of every runnable sink head, apply queued commands, let the scheduler
+form one batch (`scheduler.form_batch`), and `run` it. Text intake is the worker's: pushed text lands in
+`Utterance.text`, which the backend's frontend unit takes.
 """
 
 from __future__ import annotations
@@ -15,11 +20,12 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 
-from voicertc.engine.backend import Backend, SynthStep
+from voicertc.engine.backend import Backend, StepResult, SynthStep, as_batch_backend
 from voicertc.engine.protocol import (
     AudioSink,
     Cancel,
@@ -37,9 +43,10 @@ from voicertc.engine.protocol import (
     Stop,
     Wake,
 )
-from voicertc.engine.scheduler import is_runnable, pick_next, sink_heads
+from voicertc.engine.scheduler import form_batch, sink_heads
 from voicertc.engine.step_stats import StepStats
 from voicertc.engine.utterance import Utterance
+from voicertc.engine.work import Job, stage_name
 from voicertc.errors import (
     EngineStoppedError,
     InputError,
@@ -51,6 +58,19 @@ from voicertc.errors import (
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class BatchReport:
+    """One batch, for metrics: its stage, size, model time, the whole iteration's time (host time =
+    step_s - model_s: planning, scheduling, writing audio) and how many units were runnable."""
+
+    stage: str
+    size: int
+    model_s: float
+    step_s: float
+    runnable: int
+
 
 PIECE_MS = 100  # audio is written to sinks in pieces of at most this, so backpressure is fine-grained
 
@@ -78,7 +98,10 @@ class EngineWorker:
         max_utterances: int = 64,
         max_step_ms: float = 200.0,
         max_utterance_s: float | None = None,
+        max_batch: int = 16,
+        pull_tokens: int = 8,
         clock: Callable[[], float] = time.monotonic,
+        observer: Callable[[BatchReport], None] | None = None,
     ) -> None:
         if (backend is None) == (backend_factory is None):
             raise ValueError("give exactly one of backend and backend_factory")
@@ -90,7 +113,13 @@ class EngineWorker:
         self.max_utterances = max_utterances
         self.max_utterance_s = max_utterance_s
         self.step_stats = StepStats(max_step_ms=max_step_ms)
+        self.max_batch = max_batch
+        self.pull_tokens = pull_tokens
         self.clock = clock
+        self.observer = observer  # called on the engine thread after every batch (metrics)
+        self._planner = as_batch_backend(backend) if backend is not None else None
+        self._iteration_started = 0.0  # clock at the start of the current loop iteration
+        self._last_runnable = 0  # units planned in the current iteration (runnable queue depth)
         self._queue: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._utterances: dict[str, Utterance] = {}  # worker thread only
         self._open_ids: set[str] = set()  # opened and neither ended nor cancelled (under _count_lock)
@@ -248,13 +277,11 @@ class EngineWorker:
         running = True
         try:
             while running:
-                heads = self._runnable_heads()
-                if heads:
+                writable, jobs = self._runnable()
+                if writable or jobs:
                     running = self._drain(block=False)
-                    # the drain may have ended some of them (a cancel): never step a released one
-                    heads = [u for u in heads if self._utterances.get(u.utterance_id) is u]
-                    if running and heads:
-                        self._step(pick_next(heads))
+                    if running:
+                        self._iterate(writable, jobs)
                 else:
                     running = self._drain(block=True, timeout_s=self._idle_timeout_s())
         except Exception:
@@ -268,6 +295,7 @@ class EngineWorker:
         try:
             if self._backend_factory is not None:
                 self.backend = self._backend_factory()
+                self._planner = as_batch_backend(self.backend)
             return True
         except BaseException as exc:  # noqa: BLE001 - re-raised by start() on the caller's thread
             logger.error("engine %s: backend failed to load: %s", self.name, exc)
@@ -276,21 +304,42 @@ class EngineWorker:
         finally:
             self._ready.set()
 
-    def _runnable_heads(self) -> list[Utterance]:
-        now_s, runnable = self.clock(), []
+    def _runnable(self) -> tuple[list[Utterance], list[Job[Any]]]:
+        """Sink heads with audio to write or done (no backend work), and the units the others planned."""
+        now_s, writable, jobs = self.clock(), [], []
+        self._iteration_started = now_s
         for utt in sink_heads(list(self._utterances.values())):
             try:
-                if is_runnable(utt, self.backend, now_s):
-                    runnable.append(utt)
+                if utt.pending_pcm:
+                    if utt.sink.has_room():
+                        writable.append(utt)
+                elif utt.synthesis_done:
+                    writable.append(utt)
+                elif utt.sink.has_room() and (work := self._planner.plan(utt, now_s)) is not None:
+                    jobs.append(Job(utt, work))
             except Exception as exc:  # noqa: BLE001 - a broken sink or backend state fails only its utterance
                 self._fail(utt, exc)
-        return runnable
+        self._last_runnable = len(jobs)
+        return writable, jobs
+
+    def _live(self, utt: Utterance) -> bool:
+        return self._utterances.get(utt.utterance_id) is utt
+
+    def _iterate(self, writable: list[Utterance], jobs: list[Job[Any]]) -> None:
+        """Write and finish what needs no backend, then run one batch. The drain before this may have
+        ended some utterances (a cancel): a released one is never written or stepped."""
+        for utt in writable:
+            if self._live(utt):
+                self._flush(utt)
+        jobs = [job for job in jobs if self._live(job.utt)]
+        if jobs:
+            self._run_batch(form_batch(jobs, self.max_batch, self.pull_tokens))
 
     def _idle_timeout_s(self) -> float | None:
         wakes = []
         for utt in list(self._utterances.values()):
             try:
-                if (wake_s := self.backend.wake_at(utt)) is not None:
+                if (wake_s := self._planner.wake_at(utt)) is not None:
                     wakes.append(wake_s)
             except Exception as exc:  # noqa: BLE001 - isolated per utterance
                 self._fail(utt, exc)
@@ -356,7 +405,7 @@ class EngineWorker:
         command.sink.set_space_listener(self.wake)
         logger.debug("utterance %s opened on voice %s", utt.utterance_id, utt.voice)
         try:
-            self.backend.begin(utt)
+            utt.backend_state = self._planner.begin(utt)
         except Exception as exc:  # noqa: BLE001 - reported as the utterance's event
             self._fail(utt, exc)
 
@@ -373,16 +422,53 @@ class EngineWorker:
         utt.metrics.setdefault("text_chars", 0.0)
         utt.metrics["text_chars"] += len(text)
 
-    def _step(self, utt: Utterance) -> None:
-        utt.steps += 1
+    def _run_batch(self, batch: list[Job[Any]]) -> None:
+        started = self.clock()
+        for job in batch:
+            job.utt.steps += 1
         try:
-            if not utt.pending_pcm and not utt.synthesis_done:
-                started = self.clock()
-                result = self.backend.step(utt, started)
-                self._observe_step(utt, self.clock() - started)
+            results: list[StepResult] = self._planner.run(batch, started)
+        except Exception as exc:  # noqa: BLE001 - a backend that failed the whole batch fails its members
+            results = [exc] * len(batch)
+        model_s = self.clock() - started
+        over = self.step_stats.observe(1000.0 * model_s)
+        share_s = model_s / len(batch)
+        for job, result in zip(batch, results, strict=True):
+            utt = job.utt
+            if not self._live(utt):
+                continue
+            self._observe_step(utt, share_s, model_s, over)
+            if isinstance(result, BaseException):
+                self._fail(utt, result)
+                continue
+            try:
                 self._accept(utt, result)
+            except Exception as exc:  # noqa: BLE001 - isolated per utterance
+                self._fail(utt, exc)
+                continue
+            self._flush(utt)
+        if self.observer is not None:
+            self._report(batch, started, model_s)
+
+    def _report(self, batch: list[Job[Any]], started: float, model_s: float) -> None:
+        assert self.observer is not None
+        report = BatchReport(
+            stage=stage_name(batch[0].work),
+            size=len(batch),
+            model_s=model_s,
+            step_s=self.clock() - self._iteration_started,
+            runnable=self._last_runnable,
+        )
+        try:
+            self.observer(report)
+        except Exception:
+            logger.exception("engine %s: batch observer failed", self.name)
+
+    def _flush(self, utt: Utterance) -> None:
+        """Write pending audio while the sink has room; complete the utterance once all is written."""
+        try:
             self._write_pending(utt)
-            if utt.utterance_id in self._utterances and utt.synthesis_done and not utt.pending_pcm:
+            if self._live(utt) and utt.synthesis_done and not utt.pending_pcm:
                 if utt.failure is not None:
                     self._fail(utt, utt.failure)
                 else:
@@ -390,12 +476,13 @@ class EngineWorker:
         except Exception as exc:  # noqa: BLE001 - isolated per utterance
             self._fail(utt, exc)
 
-    def _observe_step(self, utt: Utterance, step_s: float) -> None:
-        utt.add_metric("synth_s", step_s)
+    def _observe_step(self, utt: Utterance, share_s: float, step_s: float, over: bool) -> None:
+        """`utt` took part in a batch step of `step_s` (its share: `share_s`); `over` = past max_step_ms."""
+        utt.add_metric("synth_s", share_s)
         step_ms = 1000.0 * step_s
         over_before = utt.metrics.get("max_step_ms", 0.0) > self.step_stats.max_step_ms
         utt.metrics["max_step_ms"] = max(utt.metrics.get("max_step_ms", 0.0), step_ms)
-        if self.step_stats.observe(step_ms) and not over_before:
+        if over and not over_before:
             logger.warning(
                 "utterance %s: an engine step took %.0f ms (engine.max_step_ms = %.0f)",
                 utt.utterance_id,
@@ -485,7 +572,7 @@ class EngineWorker:
             except Exception:
                 logger.exception("utterance %s: sink abort failed", utt.utterance_id)
         try:
-            self.backend.release(utt)
+            self._planner.release(utt)
         except Exception:
             logger.exception("utterance %s: backend release failed", utt.utterance_id)
         self._uncount(utt.utterance_id)
@@ -517,7 +604,7 @@ class EngineWorker:
         for utt in list(self._utterances.values()):
             self._finish(utt, Cancelled(utt.utterance_id))
         try:
-            self.backend.close()
+            self._planner.close()
         except Exception:
             logger.exception("engine %s: backend close failed", self.name)
         logger.info("engine %s stopped", self.name)

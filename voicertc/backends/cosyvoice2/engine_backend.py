@@ -1,12 +1,18 @@
-"""CosyVoice2Backend: the streaming CosyVoice2 engine behind the worker's Backend protocol.
+"""CosyVoice2Backend: the streaming CosyVoice2 engine behind the worker's `BatchBackend` protocol.
 
-Runs on the engine worker thread (every method but `voices()` and voice registration). Each `step` does
-one bounded piece of one utterance's work — a few LLM decode steps, one flow + vocoder chunk, or a
-frontend / segment transition — chosen by `Cv2State.next_action`; a chunk is ready the moment its
-last lookahead token is decoded, so nothing waits or polls. Chunks of several utterances that advance
-the flow by the same number of tokens run as one estimator batch (a partner a few tokens short is
-decoded forward first); if a batch fails, each member is retried alone from a saved state so only the
-utterance at fault fails. Every per-utterance cache is freed in `release`.
+Runs on the engine worker thread (every method but `voices()`). `plan(utt)` names the utterance's next
+unit (`Cv2State.plan`, no side effects); `run(batch)` does a batch the scheduler formed:
+
+* `Decode`    up to `decode_burst` LLM steps for every row at once (`llm_batch.decode_batch` on the
+  static slot KV cache; each row samples with its own generator); a row leaves the burst when its next
+  chunk becomes ready, its LLM ends, or it waits for text;
+* `FlowChunk` one estimator batch per `options.max_batch` rows of equal advance (if it fails, each row is
+  retried alone from a saved state, so only the utterance at fault fails);
+* `Vocode`    HiFT for each row's mel;
+* `Frontend` / `Prefill` / `Finish` one utterance at a time (cheap transitions).
+
+A chunk is ready the moment its last lookahead token is decoded, so nothing waits or polls. Every
+per-utterance cache (KV slot, flow and HiFT state) is freed in `release`.
 """
 
 from __future__ import annotations
@@ -15,27 +21,28 @@ import logging
 import time
 import zlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from voicertc.audio.decode import Clip
 from voicertc.backends.cosyvoice2.bistream import BistreamSession
 from voicertc.backends.cosyvoice2.device_lane import DeviceLane, resolve_device
-from voicertc.backends.cosyvoice2.engine_state import Cv2State
+from voicertc.backends.cosyvoice2.engine_state import Cv2State, FlowedChunk
+from voicertc.backends.cosyvoice2.llm_batch import KVSlot, SlotKV, decode_batch
 from voicertc.backends.cosyvoice2.loader import CosyVoice2Model, load
 from voicertc.backends.cosyvoice2.sampling import SamplingMode
 from voicertc.backends.cosyvoice2.text import text_normalize
-from voicertc.backends.cosyvoice2.token2wav import Chunk, ChunkPlan, Token2WavStream
+from voicertc.backends.cosyvoice2.token2wav import Chunk, Token2WavStream
 from voicertc.backends.cosyvoice2.voices import Voice, VoiceBook, VoiceStore, voice_from_features
 from voicertc.config import Config
-from voicertc.engine.backend import Backend, SynthStep
+from voicertc.engine.backend import Backend, StepResult, SynthStep
 from voicertc.engine.schedule import ChunkSchedule
 from voicertc.engine.text_chunks import has_speech
 from voicertc.engine.utterance import Utterance
+from voicertc.engine.work import Decode, Finish, FlowChunk, Frontend, Job, Prefill, Vocode, Work
 from voicertc.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -48,24 +55,17 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 class BackendOptions:
     """Knobs that are not in config.toml (tests and benchmarks set them)."""
 
-    decode_burst: int = 5  # LLM tokens per step at most
+    decode_burst: int = 5  # LLM tokens per Decode unit at most
     max_batch: int = 8  # utterances per estimator batch (1 = never batch)
-    batch_pull_tokens: int = 8  # a partner this many tokens short is decoded forward to join a batch
+    batch_pull_tokens: int = 8  # (kept for callers; the worker's pull_tokens is the scheduler policy)
+    kv_slots: int = 8  # LLM slot KV cache rows preallocated (doubles when full)
+    kv_capacity: int = 512  # positions per row preallocated (doubles when needed)
     sampling: SamplingMode = "ras"
     seed: int | None = None  # per-utterance RNGs from seed + crc32(utterance id); None = random
     max_segment_tokens: int | None = None  # cap on speech tokens per LLM call (tests, benchmarks)
 
 
-@dataclass
-class _Member:
-    utt: Utterance
-    state: Cv2State
-    plan: ChunkPlan
-
-    @property
-    def t2w(self) -> Token2WavStream:
-        assert self.state.t2w is not None
-        return self.state.t2w
+Cv2Job = Job[Cv2State]
 
 
 class CosyVoice2Backend:
@@ -85,8 +85,12 @@ class CosyVoice2Backend:
         self.options = options or BackendOptions()
         self.book = VoiceBook(model, VoiceStore(voices_dir) if voices_dir else None)
         self.lane = DeviceLane(model.device)
-        self._active: dict[str, Utterance] = {}
-        self.stats = {"chunks": 0, "batches": 0, "batched_chunks": 0, "batch_fallbacks": 0}
+        self.kv = SlotKV(model.llm.llm.model.model, self.options.kv_slots, self.options.kv_capacity)
+        self._active: dict[str, Utterance[Cv2State]] = {}  # diagnostics only (leak checks); never scheduled
+        self.stats = {
+            "chunks": 0, "batches": 0, "batched_chunks": 0, "batch_fallbacks": 0,
+            "decode_batches": 0, "decode_rows": 0, "vocode_batches": 0,
+        }  # fmt: skip
         text_normalize("warm up.", lambda s: [0] * len(s))  # loads the normaliser grammars now, not later
 
     # ---- voices -------------------------------------------------------------------------------
@@ -130,8 +134,11 @@ class CosyVoice2Backend:
             voice_id="warm-up", kind="sft",
         )  # fmt: skip
         with self.lane.compute():
-            session = self.model.llm.prefill([0, 1, 2], sampling="greedy")
-            self.model.llm.step(session)
+            slot = self.kv.acquire()
+            try:
+                self.model.llm.step(self.model.llm.prefill([0, 1, 2], sampling="greedy", kv=slot))
+            finally:
+                slot.release()
             t2w = self.model.token2wav_stream(voice, self.schedule, pcm_to_host=self.lane.to_host)
             try:
                 t2w.push([0] * (self.schedule.first_hop_tokens + self.schedule.lookahead_tokens))
@@ -140,60 +147,59 @@ class CosyVoice2Backend:
                 t2w.release()
         logger.info("cosyvoice2 warmed up in %.0f ms", 1000 * (time.perf_counter() - started))
 
-    # ---- Backend protocol ---------------------------------------------------------------------
+    # ---- BatchBackend protocol ----------------------------------------------------------------
 
-    def begin(self, utt: Utterance) -> None:
+    def begin(self, utt: Utterance[Cv2State]) -> Cv2State:
         voice = self.book.get(utt.voice)
         seed = self._seed(utt.utterance_id)
-        utt.backend_state = Cv2State(
+        self._active[utt.utterance_id] = utt
+        return Cv2State(
             voice=voice,
             llm_generator=torch.Generator(self.model.device).manual_seed(seed),
             hift_generator=torch.Generator().manual_seed(seed + 1),
         )
-        self._active[utt.utterance_id] = utt
 
     def _seed(self, utterance_id: str) -> int:
         if self.options.seed is None:
             return int(torch.randint(0, 2**62, (1,)).item())
         return self.options.seed + zlib.crc32(utterance_id.encode())
 
-    def has_work(self, utt: Utterance, now_s: float) -> bool:
-        return utt.backend_state.next_action(utt) is not None
+    def plan(self, utt: Utterance[Cv2State], now_s: float) -> Work | None:
+        st = utt.backend_state
+        return st.plan(utt) if st is not None else None
 
-    def wake_at(self, utt: Utterance) -> float | None:
+    def wake_at(self, utt: Utterance[Cv2State]) -> float | None:
         return None  # only new text (a command) or our own progress makes work
 
-    def step(self, utt: Utterance, now_s: float) -> SynthStep:
-        st: Cv2State = utt.backend_state
-        if st.started_s is None:
-            st.started_s = now_s
-            utt.add_metric("queue_wait_s", now_s - (utt.first_text_s or utt.opened_s))
-        action = st.next_action(utt)
-        pcm: list[np.ndarray] = []
+    def run(self, batch: Sequence[Cv2Job], now_s: float) -> list[StepResult]:
+        for job in batch:
+            st = self._state(job)
+            if st.started_s is None:
+                st.started_s = now_s
+                job.utt.add_metric("queue_wait_s", now_s - (job.utt.first_text_s or job.utt.opened_s))
+        work = batch[0].work
         with self.lane.compute():
-            if action == "raise":
-                assert st.error is not None
-                raise st.error
-            if action == "emit":
-                pcm = [st.ready_chunks.popleft().pcm]
-            elif action == "chunk":
-                pcm = [self._run_chunk(utt, st)]
-            elif action == "frontend":
-                self._frontend(utt, st)
-            elif action == "decode":
-                self._decode(utt, st)
-            elif action == "finish":
-                pcm = self._finish_segment(utt, st)
-            elif action == "start":
-                self._start_segment(utt, st)
-            elif action == "done":
-                st.done = True
-        pcm = [p for p in pcm if p.size]
-        return SynthStep(pcm=pcm, sample_rate_hz=SAMPLE_RATE_HZ, done=st.done and not st.ready_chunks)
+            if isinstance(work, Decode):
+                return self._run_decode(batch)
+            if isinstance(work, FlowChunk):
+                return self._run_flow(batch)
+            if isinstance(work, Vocode):
+                return self._run_vocode(batch)
+            return [self._run_one(job) for job in batch]
 
-    def release(self, utt: Utterance) -> None:
+    def step_alone(self, utt: Utterance[Cv2State], now_s: float) -> SynthStep | None:
+        """Plan and run one unit of `utt` alone (benchmarks); None when it has nothing to do now."""
+        work = self.plan(utt, now_s)
+        if work is None:
+            return None
+        result = self.run([Job(utt, work)], now_s)[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def release(self, utt: Utterance[Cv2State]) -> None:
         self._active.pop(utt.utterance_id, None)
-        if isinstance(utt.backend_state, Cv2State):
+        if utt.backend_state is not None:
             utt.backend_state.release()
         utt.backend_state = None
 
@@ -201,31 +207,55 @@ class CosyVoice2Backend:
         for utt in list(self._active.values()):
             self.release(utt)
 
-    # ---- frontend and LLM ---------------------------------------------------------------------
+    @staticmethod
+    def _state(job: Cv2Job) -> Cv2State:
+        st = job.utt.backend_state
+        if st is None:
+            raise RuntimeError(f"utterance {job.utt.utterance_id} has no state (released)")
+        return st
 
-    def _frontend(self, utt: Utterance, st: Cv2State) -> None:
+    # ---- one-at-a-time units: frontend, segment start, the end ---------------------------------
+
+    def _run_one(self, job: Cv2Job) -> StepResult:
+        try:
+            st, work = self._state(job), job.work
+            if isinstance(work, Frontend):
+                self._frontend(job.utt, st)
+            elif isinstance(work, Prefill):
+                self._start_segment(st)
+            elif isinstance(work, Finish):
+                st.release()
+                return SynthStep(sample_rate_hz=SAMPLE_RATE_HZ, done=True)
+            else:
+                raise TypeError(f"unexpected unit {work!r}")
+            return SynthStep(sample_rate_hz=SAMPLE_RATE_HZ)
+        except Exception as exc:  # noqa: BLE001 - isolated per utterance
+            return exc
+
+    def _frontend(self, utt: Utterance[Cv2State], st: Cv2State) -> None:
         started = time.perf_counter()
         encode = self.model.text_frontend.encode
+        texts = st.take_text(utt)
         if st.mode == "whole":
-            pieces = self._normalize(utt, utt.take_text(), split=True)
+            pieces = self._normalize(utt, texts[0], split=True)
             st.segments = deque(ids for p in pieces if (ids := encode(p)))
         else:
             if st.bistream is None:
                 voice = st.voice
                 st.bistream = BistreamSession.start(
                     self.model.llm, voice.prompt_text_tokens, voice.llm_prompt_tokens,
-                    sampling=self.options.sampling, generator=st.llm_generator,
+                    sampling=self.options.sampling, generator=st.llm_generator, kv=self.kv.acquire(),
                 )  # fmt: skip
                 st.t2w = self._open_t2w(st)
-            while st.sentences:
-                for text in self._normalize(utt, st.sentences.popleft(), split=False):
+            for sentence in texts:
+                for text in self._normalize(utt, sentence, split=False):
                     st.bistream.push_text(encode(text))
             if utt.input_ended and not st.text_ended:
                 st.bistream.end_text()
                 st.text_ended = True
         utt.add_metric("frontend_s", time.perf_counter() - started)
 
-    def _normalize(self, utt: Utterance, text: str, split: bool) -> list[str]:
+    def _normalize(self, utt: Utterance[Cv2State], text: str, split: bool) -> list[str]:
         """The official normalisation (+ split); text with nothing to say gives no pieces."""
         if not has_speech(text):
             return []
@@ -240,151 +270,151 @@ class CosyVoice2Backend:
             st.voice, self.schedule, generator=st.hift_generator, pcm_to_host=self.lane.to_host
         )
 
-    def _start_segment(self, utt: Utterance, st: Cv2State) -> None:
+    def _start_segment(self, st: Cv2State) -> None:
         assert st.segments
+        st.end_llm()
+        if st.t2w is not None:
+            st.t2w.release()
         voice = st.voice
         st.llm = self.model.llm.prefill(
             st.segments.popleft(), voice.prompt_text_tokens, voice.llm_prompt_tokens,
             sampling=self.options.sampling, generator=st.llm_generator, prefix=voice.prefix,
+            kv=self.kv.acquire(),
         )  # fmt: skip
         if self.options.max_segment_tokens is not None:
             st.llm.max_len = min(st.llm.max_len, self.options.max_segment_tokens)
         st.llm_steps = 0
         st.t2w = self._open_t2w(st)
 
-    def _llm_step(self, st: Cv2State) -> int | None:
-        if st.llm is not None:
-            return self.model.llm.step(st.llm)
-        assert st.bistream is not None
-        token = st.bistream.step()
-        cap = self.options.max_segment_tokens
-        if cap is not None and st.t2w is not None and len(st.t2w.tokens) + 1 >= cap:
-            st.bistream.finished = True
-        return token
+    # ---- LLM decode, batched across utterances ------------------------------------------------
 
-    def _decode(self, utt: Utterance, st: Cv2State) -> None:
-        """Up to `decode_burst` LLM steps; stops early when a chunk becomes ready or the LLM waits."""
-        assert st.t2w is not None
+    def _run_decode(self, batch: Sequence[Cv2Job]) -> list[StepResult]:
+        """Up to `decode_burst` batched LLM steps; a row leaves when its chunk is ready or it must wait."""
+        errors: dict[int, BaseException] = {}
+        active = list(range(len(batch)))
         for _ in range(self.options.decode_burst):
+            sessions = []
+            for i in list(active):
+                st = self._state(batch[i])
+                session = st.llm if st.llm is not None else st.bistream
+                assert session is not None
+                sessions.append(session)
             started = time.perf_counter()
-            token = self._llm_step(st)
+            tokens = decode_batch(self.model.llm, sessions)
             now = time.perf_counter()
-            prefill = st.llm_steps == 0
-            st.llm_steps += 1
-            utt.add_metric("llm_prefill_s" if prefill else "llm_decode_s", now - started)
-            if prefill and st.first_hop_at_s is None:
-                st.first_hop_at_s = now
-            if token is not None:
-                st.t2w.add_tokens([token])
-            if st.t2w.ready():
-                self._note_first_hop(utt, st)
-                return
-            if (st.llm is not None and st.llm.finished) or (
-                st.bistream is not None and st.bistream.needs_text
-            ):
-                return
-            if st.bistream is not None and st.bistream.finished:
-                return
+            self.stats["decode_batches"] += 1
+            self.stats["decode_rows"] += len(active)
+            share = (now - started) / len(active)
+            still = []
+            for i, token in zip(active, tokens, strict=True):
+                if isinstance(token, BaseException):
+                    errors[i] = token
+                elif self._took_token(batch[i].utt, self._state(batch[i]), token, share, now):
+                    still.append(i)
+            active = still
+            if not active:
+                break
+        return [errors.get(i, SynthStep(sample_rate_hz=SAMPLE_RATE_HZ)) for i in range(len(batch))]
 
-    def _note_first_hop(self, utt: Utterance, st: Cv2State) -> None:
+    def _took_token(
+        self, utt: Utterance[Cv2State], st: Cv2State, token: int | None, share_s: float, now: float
+    ) -> bool:
+        """Account one decode step of `utt`; True if it may decode again in this burst."""
+        assert st.t2w is not None
+        prefill = st.llm_steps == 0
+        st.llm_steps += 1
+        utt.add_metric("llm_prefill_s" if prefill else "llm_decode_s", share_s)
+        if prefill and st.first_hop_at_s is None:
+            st.first_hop_at_s = now
+        cap = self.options.max_segment_tokens
+        if st.bistream is not None and cap is not None and len(st.t2w.tokens) + 1 >= cap:
+            st.bistream.finished = True
+        if token is not None:
+            st.t2w.add_tokens([token])
+        session = st.llm if st.llm is not None else st.bistream
+        llm_over = session is not None and session.finished
+        if llm_over and isinstance(session.cache, KVSlot):  # type: ignore[union-attr]
+            session.cache.release()  # type: ignore[union-attr]  # the slot is free for another utterance now
+        if st.t2w.ready():
+            self._note_first_hop(utt, st)
+            return False
+        return not llm_over and not (st.bistream is not None and st.bistream.needs_text)
+
+    def _note_first_hop(self, utt: Utterance[Cv2State], st: Cv2State) -> None:
         if not st.first_hop_recorded and st.first_hop_at_s is not None:
             st.first_hop_recorded = True
             utt.add_metric("decode_first_hop_s", time.perf_counter() - st.first_hop_at_s)
 
-    def _finish_segment(self, utt: Utterance, st: Cv2State) -> list[np.ndarray]:
-        assert st.t2w is not None
-        chunks = st.t2w.finish()
-        st.t2w = None
-        st.llm = None
-        for chunk in chunks:
-            self._account(utt, chunk)
-        return [c.pcm for c in chunks]
+    # ---- flow, batched across utterances of equal advance -------------------------------------
 
-    # ---- flow + vocoder, batched across utterances --------------------------------------------
+    def _run_flow(self, batch: Sequence[Cv2Job]) -> list[StepResult]:
+        size = max(1, self.options.max_batch)
+        results: list[StepResult] = []
+        for start in range(0, len(batch), size):
+            results.extend(self._flow_group(batch[start : start + size]))
+        return results
 
-    def _run_chunk(self, utt: Utterance, st: Cv2State) -> np.ndarray:
-        assert st.t2w is not None
-        plan = st.t2w.plan()
-        assert plan is not None
-        group = [_Member(utt, st, plan), *self._partners(utt, plan)]
-        results = self._flow_and_vocode(group)
-        for member, result in zip(group[1:], results[1:], strict=True):
-            if isinstance(result, BaseException):
-                member.state.error = result
-            else:
-                member.state.ready_chunks.append(result)
-        if isinstance(results[0], BaseException):
-            raise results[0]
-        return results[0].pcm
-
-    def _partners(self, leader: Utterance, plan: ChunkPlan) -> list[_Member]:
-        """Other utterances whose next chunk advances the flow by as many tokens (pulled forward)."""
-        partners: list[_Member] = []
-        for utt in list(self._active.values()):
-            if len(partners) + 1 >= self.options.max_batch:
-                break
-            st = utt.backend_state
-            if utt is leader or not isinstance(st, Cv2State) or not self._can_partner(utt, st):
-                continue
-            assert st.t2w is not None
-            if not st.t2w.ready():
-                self._pull_forward(utt, st)
-            other = st.t2w.plan() if st.t2w.ready() else None
-            if other is not None and other.advance_tokens == plan.advance_tokens:
-                partners.append(_Member(utt, st, other))
-        return partners
-
-    def _can_partner(self, utt: Utterance, st: Cv2State) -> bool:
-        if st.error is not None or st.ready_chunks or st.t2w is None or st.done:
-            return False
-        return utt.sink.has_room()
-
-    def _pull_forward(self, utt: Utterance, st: Cv2State) -> None:
-        """Decode a nearly-ready partner's last few tokens (its own RNG: same tokens as later)."""
-        assert st.t2w is not None
-        t2w, look = st.t2w, self.schedule.lookahead_tokens
-        need = self.schedule.chunk_end_tokens(t2w.chunk_index, t2w.prompt_tokens) + look - len(t2w.tokens)
-        if need > self.options.batch_pull_tokens or st.next_action(utt) != "decode":
-            return
+    def _flow_group(self, group: Sequence[Cv2Job]) -> list[StepResult]:
+        final = bool(getattr(group[0].work, "final", False))
         try:
-            while not t2w.ready() and st.next_action(utt) == "decode":
-                self._decode(utt, st)
-        except Exception as exc:  # noqa: BLE001 - the partner's failure is reported on its own step
-            st.error = exc
-
-    def _flow_and_vocode(self, group: list[_Member]) -> list[Chunk | BaseException]:
-        if len(group) == 1:
-            return [self._run_alone(group[0])]
-        saved = [m.t2w.flow_state.clone() for m in group if m.t2w.flow_state is not None]
+            t2ws = [self._t2w(job) for job in group]
+            plans = [t2w.plan(final=final) for t2w in t2ws]
+        except Exception as exc:  # noqa: BLE001 - a broken state: fail the members one by one
+            if len(group) == 1:
+                return [exc]
+            return [r for job in group for r in self._flow_group([job])]
+        saved = [t.flow_state.clone() for t in t2ws] if len(group) > 1 else []  # type: ignore[union-attr]
         started = time.perf_counter()
         try:
-            tokens = [m.plan.new_tokens for m in group]
-            states = [m.t2w.flow_state for m in group]
-            mels = self.model.flow.stream_step_batch(tokens, states, finalize=False)  # type: ignore[arg-type]
-        except Exception:
+            if any(p is None for p in plans):
+                raise RuntimeError("flow chunk planned but not ready")
+            mels = self.model.flow.stream_step_batch(
+                [p.new_tokens for p in plans],
+                [t.flow_state for t in t2ws],
+                finalize=final,  # type: ignore[union-attr,misc]
+            )
+        except Exception as exc:  # noqa: BLE001 - retried alone below (or the lone member fails)
+            if len(group) == 1:
+                return [exc]
             logger.warning("batched flow step failed; retrying its %d utterances one by one", len(group))
             self.stats["batch_fallbacks"] += 1
-            for member, state in zip(group, saved, strict=True):
-                member.t2w.flow_state = state
-            return [self._run_alone(m) for m in group]
+            for t2w, state in zip(t2ws, saved, strict=True):
+                t2w.flow_state = state
+            return [r for job in group for r in self._flow_group([job])]
         flow_s = (time.perf_counter() - started) / len(group)
-        self.stats["batches"] += 1
-        self.stats["batched_chunks"] += len(group)
-        results: list[Chunk | BaseException] = []
-        for member, mel in zip(group, mels, strict=True):
+        if len(group) > 1:
+            self.stats["batches"] += 1
+            self.stats["batched_chunks"] += len(group)
+        for job, plan, mel in zip(group, plans, mels, strict=True):
+            assert plan is not None
+            self._state(job).flowed = FlowedChunk(plan, mel, flow_s)
+        return [SynthStep(sample_rate_hz=SAMPLE_RATE_HZ) for _ in group]
+
+    def _t2w(self, job: Cv2Job) -> Token2WavStream:
+        t2w = self._state(job).t2w
+        if t2w is None or t2w.flow_state is None:
+            raise RuntimeError(f"utterance {job.utt.utterance_id}: no token2wav stream")
+        return t2w
+
+    # ---- vocoder ------------------------------------------------------------------------------
+
+    def _run_vocode(self, batch: Sequence[Cv2Job]) -> list[StepResult]:
+        self.stats["vocode_batches"] += 1
+        results: list[StepResult] = []
+        for job in batch:
             try:
-                results.append(self._account(member.utt, member.t2w.complete(member.plan, mel, flow_s)))
+                st = self._state(job)
+                flowed = st.flowed
+                assert flowed is not None and st.t2w is not None
+                st.flowed = None
+                chunk = self._account(job.utt, st.t2w.complete(flowed.plan, flowed.mel, flowed.flow_s))
+                pcm = [chunk.pcm] if chunk.pcm.size else []
+                results.append(SynthStep(pcm=pcm, sample_rate_hz=SAMPLE_RATE_HZ))
             except Exception as exc:  # noqa: BLE001 - isolated per utterance
                 results.append(exc)
         return results
 
-    def _run_alone(self, member: _Member) -> Chunk | BaseException:
-        try:
-            return self._account(member.utt, member.t2w.run(member.plan))
-        except Exception as exc:  # noqa: BLE001 - isolated per utterance
-            return exc
-
-    def _account(self, utt: Utterance, chunk: Chunk) -> Chunk:
+    def _account(self, utt: Utterance[Cv2State], chunk: Chunk) -> Chunk:
         utt.add_metric("flow_s", chunk.flow_s)
         utt.add_metric("vocoder_s", chunk.vocoder_s)
         self.stats["chunks"] += 1

@@ -1,4 +1,4 @@
-"""One utterance's CosyVoice2 synthesis state and the pure choice of what to do with it next.
+"""One utterance's CosyVoice2 synthesis state and the pure plan of its next unit of work.
 
 Runs on the engine thread. Text policy:
 * **whole text** — the utterance's input had ended when synthesis started (`say`, a whole speak
@@ -9,6 +9,9 @@ Runs on the engine thread. Text policy:
   sentences, each sentence is normalised, tokenised and pushed into one bistream LLM session (5 text :
   15 speech interleaving), whose speech tokens feed one token2wav stream; so speech starts after the
   first sentence, before the text stream ends.
+
+`plan` reads the state and the utterance's text and names the next unit (`voicertc.engine.work`); it
+changes nothing. Text is taken from the utterance only by the `Frontend` unit.
 """
 
 from __future__ import annotations
@@ -18,25 +21,35 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from torch import Tensor
 
 from voicertc.backends.cosyvoice2.bistream import BistreamSession
 from voicertc.backends.cosyvoice2.llm import LlmSession
+from voicertc.backends.cosyvoice2.llm_batch import KVSlot
 from voicertc.backends.cosyvoice2.text import SentenceStream
-from voicertc.backends.cosyvoice2.token2wav import Chunk, Token2WavStream
+from voicertc.backends.cosyvoice2.token2wav import ChunkPlan, Token2WavStream
 from voicertc.backends.cosyvoice2.voices import Voice
 from voicertc.engine.utterance import Utterance
+from voicertc.engine.work import Decode, Finish, FlowChunk, Frontend, Prefill, Vocode, Work
 
 TextMode = Literal["whole", "deltas"]
-Action = Literal["raise", "emit", "chunk", "frontend", "decode", "finish", "start", "done"]
+
+
+@dataclass
+class FlowedChunk:
+    """A chunk the flow has computed, waiting for the vocoder."""
+
+    plan: ChunkPlan
+    mel: Tensor  # [1, 80, F]
+    flow_s: float
 
 
 @dataclass
 class Cv2State:
-    """Everything one utterance holds (KV cache, flow/HiFT caches, text); freed by `release()`.
+    """Everything one utterance holds (KV slot, flow/HiFT caches, text); freed by `release()`.
 
-    Invariants: at most one LLM session (`llm` for whole text, `bistream` for deltas) and one
-    `t2w` stream at a time; `ready_chunks` holds chunks computed in a batch led by another utterance,
-    not yet handed to the worker; `error` is a failure found while this utterance was a batch partner.
+    Invariants: at most one LLM session (`llm` for whole text, `bistream` for deltas) and one `t2w`
+    stream at a time; `flowed` is set between an utterance's `FlowChunk` and its `Vocode`.
     """
 
     voice: Voice
@@ -45,75 +58,95 @@ class Cv2State:
     mode: TextMode | None = None
     segments: deque[list[int]] | None = None  # whole text: token ids of the pieces not yet spoken
     splitter: SentenceStream = field(default_factory=SentenceStream)
-    sentences: deque[str] = field(default_factory=deque)  # deltas: complete sentences not yet fed
     text_ended: bool = False  # deltas: the bistream session has been told
     llm: LlmSession | None = None
     bistream: BistreamSession | None = None
     t2w: Token2WavStream | None = None
-    ready_chunks: deque[Chunk] = field(default_factory=deque)
-    error: BaseException | None = None
+    flowed: FlowedChunk | None = None
     done: bool = False
-    started_s: float | None = None  # worker clock at the first step
+    started_s: float | None = None  # worker clock at the first unit
     llm_steps: int = 0  # LLM forwards of the current segment
     first_hop_at_s: float | None = None  # perf_counter when the first prefill finished
     first_hop_recorded: bool = False
 
     def release(self) -> None:
-        """Drop every cache (KV cache, flow and HiFT state, queued chunks)."""
+        """Drop every cache (KV slot, flow and HiFT state, the mel waiting for the vocoder)."""
+        self.end_llm()
         if self.t2w is not None:
             self.t2w.release()
         self.t2w = None
-        self.llm = None
-        self.bistream = None
-        self.ready_chunks.clear()
+        self.flowed = None
         self.segments = None
-        self.sentences.clear()
         self.done = True
 
-    # ---- text intake (cheap, no model work) ---------------------------------------------------
+    def end_llm(self) -> None:
+        """Give the LLM session's KV slot back (the session is over)."""
+        for session in (self.llm, self.bistream):
+            if session is not None and isinstance(session.cache, KVSlot):
+                session.cache.release()
+        self.llm = None
+        self.bistream = None
 
-    def intake(self, utt: Utterance) -> None:
-        """Fix the text mode at the first text, and move delta text into the sentence splitter."""
+    # ---- text intake (the Frontend unit; cheap, no model work) ---------------------------------
+
+    def take_text(self, utt: Utterance[Cv2State]) -> list[str]:
+        """Fix the text mode at the first text; delta text goes through the sentence splitter.
+
+        Returns the complete sentences (deltas) or the whole text (one item) now ready for the frontend.
+        """
         if self.mode is None:
-            if utt.input_ended:
-                self.mode = "whole"
-            elif utt.text.strip():
-                self.mode = "deltas"
-        if self.mode == "deltas":
-            if utt.text:
-                self.sentences.extend(self.splitter.push(utt.take_text()))
-            if utt.input_ended and not self.text_ended:
-                self.sentences.extend(self.splitter.flush())
+            self.mode = "whole" if utt.input_ended else "deltas"
+        if self.mode == "whole":
+            return [utt.take_text()]
+        sentences = self.splitter.push(utt.take_text()) if utt.text else []
+        if utt.input_ended and not self.text_ended:
+            sentences.extend(self.splitter.flush())
+        return sentences
 
-    # ---- what next ----------------------------------------------------------------------------
+    # ---- what next (pure) ---------------------------------------------------------------------
 
-    def next_action(self, utt: Utterance) -> Action | None:
-        """The step that makes progress now, or None when only new text can help."""
-        if self.error is not None:
-            return "raise"
-        if self.ready_chunks:
-            return "emit"
+    def plan(self, utt: Utterance[Cv2State]) -> Work | None:
+        """The unit that makes progress now, or None when only new text can help."""
         if self.done:
             return None
-        self.intake(utt)
-        if self.t2w is not None and self.t2w.ready():
-            return "chunk"
+        if self.flowed is not None:
+            return Vocode(final=self.flowed.plan.final)
+        if self.mode is None:
+            return Frontend() if utt.input_ended or utt.text.strip() else None
+        if self.mode == "deltas" and (
+            self.bistream is None or utt.text or (utt.input_ended and not self.text_ended)
+        ):
+            return Frontend()
+        t2w = self.t2w
+        if t2w is not None and t2w.ready():
+            nxt = t2w.next_chunk()
+            assert nxt is not None
+            return FlowChunk(nxt[1])
         if self.mode == "whole":
-            return self._whole_action()
-        if self.mode == "deltas":
-            return self._deltas_action(utt)
-        return None
+            return self._whole_plan()
+        return self._deltas_plan()
 
-    def _whole_action(self) -> Action:
+    def _decode(self) -> Decode:
+        nxt = self.t2w.next_chunk() if self.t2w is not None else None
+        return Decode(*nxt) if nxt is not None else Decode()
+
+    def _final_or_next(self, has_next: bool) -> Work:
+        """The segment's LLM is over: its final chunk, then the next segment (or the end)."""
+        if self.t2w is not None and (advance := self.t2w.final_advance()) is not None:
+            return FlowChunk(advance, final=True)
+        return Prefill() if has_next else Finish()
+
+    def _whole_plan(self) -> Work:
         if self.segments is None:
-            return "frontend"
-        if self.llm is not None:
-            return "finish" if self.llm.finished else "decode"
-        return "start" if self.segments else "done"
+            return Frontend()
+        if self.llm is not None and not self.llm.finished:
+            return self._decode()
+        if self.llm is None and self.t2w is None:
+            return Prefill() if self.segments else Finish()
+        return self._final_or_next(bool(self.segments))
 
-    def _deltas_action(self, utt: Utterance) -> Action | None:
-        if self.bistream is None or self.sentences or (utt.input_ended and not self.text_ended):
-            return "frontend"
+    def _deltas_plan(self) -> Work | None:
+        assert self.bistream is not None
         if not self.bistream.finished:
-            return None if self.bistream.needs_text else "decode"
-        return "finish" if self.t2w is not None else "done"
+            return None if self.bistream.needs_text else self._decode()
+        return self._final_or_next(False)

@@ -113,6 +113,22 @@ class Token2WavStream:
             return False
         return self.schedule.ready(self.chunk_index, self.prompt_tokens, len(self.tokens))
 
+    def next_chunk(self) -> tuple[int, int] | None:
+        """(tokens still to generate, flow advance) of the next non-final chunk; None once spent."""
+        state = self.flow_state
+        if self.finished or state is None:
+            return None
+        end = self.schedule.chunk_end_tokens(self.chunk_index, self.prompt_tokens)
+        need = end + self.schedule.lookahead_tokens - len(self.tokens)
+        return max(0, need), state.pending_prompt.shape[1] + end - self.emitted_tokens
+
+    def final_advance(self) -> int | None:
+        """The flow advance of the final chunk `plan(final=True)` would run (None: nothing left)."""
+        state = self.flow_state
+        if self.finished or state is None or self.emitted_tokens == len(self.tokens):
+            return None
+        return state.pending_prompt.shape[1] + len(self.tokens) - self.emitted_tokens
+
     def plan(self, final: bool = False) -> ChunkPlan | None:
         """The next chunk to run: a ready non-final one, else (with `final`) the last one; or None."""
         state = self.flow_state

@@ -1,0 +1,88 @@
+"""Typed units of engine work: what a backend plans for one utterance, and what the scheduler batches.
+
+A backend's `plan(utt)` looks at one utterance's state (no side effects) and names the next unit; the
+scheduler groups compatible units of several utterances into one batch, and the backend's `run(batch)`
+does them together. Units are frozen values: equal units of different utterances can share a batch.
+
+* `Frontend`  text normalisation / tokenisation / session set-up (cheap, host only);
+* `Prefill`   start an LLM call on a new text segment;
+* `Decode`    LLM decode steps (batched across utterances; `until_chunk` / `chunk_advance` describe
+  the flow chunk the decode is heading to, so the scheduler can pull a partner forward);
+* `FlowChunk` one flow chunk, advancing the flow state by `advance_tokens` (batched when equal);
+* `Vocode`    HiFT for the mel a `FlowChunk` produced (batched across utterances);
+* `Finish`    nothing left to synthesise: the utterance is done;
+* `Synth`     one whole step of a backend that does not split its work (Piper, the fake engine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from voicertc.engine.utterance import Utterance
+
+
+@dataclass(frozen=True)
+class Frontend:
+    pass
+
+
+@dataclass(frozen=True)
+class Prefill:
+    pass
+
+
+@dataclass(frozen=True)
+class Decode:
+    until_chunk: int = 0  # tokens still to decode before the next flow chunk is ready (0 = unknown)
+    chunk_advance: int = 0  # the advance of that chunk
+
+
+@dataclass(frozen=True)
+class FlowChunk:
+    advance_tokens: int
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class Vocode:
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class Finish:
+    pass
+
+
+@dataclass(frozen=True)
+class Synth:
+    pass
+
+
+Work = Frontend | Prefill | Decode | FlowChunk | Vocode | Finish | Synth
+
+S = TypeVar("S")
+
+
+@dataclass(frozen=True, eq=False)
+class Job(Generic[S]):
+    """One utterance's planned unit in a batch (identity, not value, equality)."""
+
+    utt: Utterance[S]
+    work: Work
+
+
+def batch_key(work: Work) -> tuple[object, ...] | None:
+    """Units with the same key may run as one batch; None = always alone."""
+    if isinstance(work, Decode):
+        return ("decode",)
+    if isinstance(work, FlowChunk):
+        return ("flow", work.advance_tokens, work.final)
+    if isinstance(work, Vocode):
+        return ("vocode",)
+    return None
+
+
+def stage_name(work: Work) -> str:
+    """The stage label of a unit (metrics)."""
+    return type(work).__name__.lower()

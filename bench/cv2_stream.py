@@ -10,7 +10,7 @@
     the timings, the estimator's arithmetic per chunk (`estimator_gflop`): the dense part is
     proportional to the chunk, exact attention to chunk x context, which bounds how flat any exact
     incremental flow can be.
-(b) Time to first audio through `CosyVoice2Backend.step` (no worker queue): frontend, LLM prefill,
+(b) Time to first audio through `CosyVoice2Backend.step_alone` (no worker queue): frontend, LLM prefill,
     decode to the first hop, flow and vocoder of the first chunk, for a zero-shot voice with a 3 s
     prompt (75 tokens; `--ttfa-prompt-tokens`) and a 26-token transcript. `--first-hop 13 --grid 25`
     measures the short first hop on the flow's grid (same mel, see voicertc/engine/schedule.py).
@@ -132,10 +132,13 @@ def ttfa_rows(
     rows = []
     for run in range(runs):
         utt = _utterance(f"run{run}", "bench")
-        backend.begin(utt)
+        utt.backend_state = backend.begin(utt)
         started = time.perf_counter()
-        while not (step := backend.step(utt, time.monotonic())).pcm and not step.done:
+        while (
+            (step := backend.step_alone(utt, time.monotonic())) is not None and not step.pcm and not step.done
+        ):
             pass
+        assert step is not None
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         ttfa_s = time.perf_counter() - started

@@ -16,7 +16,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +53,11 @@ level = "WARNING"
 
 
 @contextlib.contextmanager
-def served(config_toml: str = PIPER_CONFIG_TOML) -> Iterator[tuple[str, int]]:
-    """`voicertc serve` in a child process on a free loopback port: yields (base URL, pid)."""
+def served(
+    config_toml: str = PIPER_CONFIG_TOML, log_lines: deque[str] | None = None
+) -> Iterator[tuple[str, int]]:
+    """`voicertc serve` in a child process on a free loopback port: yields (base URL, pid). Its log
+    lines go to `log_lines` when given (a bounded deque), else nowhere."""
     config = Path(tempfile.mkdtemp()) / "config.toml"
     config.write_text(config_toml)
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
@@ -66,9 +70,10 @@ def served(config_toml: str = PIPER_CONFIG_TOML) -> Iterator[tuple[str, int]]:
         text=True,
     )
     try:
-        url = _wait_for_url(proc)
+        url = _wait_for_url(proc, log_lines)
         # keep draining its log so a chatty server never blocks on a full pipe
-        threading.Thread(target=proc.stdout.read, daemon=True).start()  # type: ignore[union-attr]
+        sink = log_lines.append if log_lines is not None else (lambda line: None)
+        threading.Thread(target=_drain_log, args=(proc, sink), daemon=True).start()
         yield url.rstrip("/"), proc.pid
     finally:
         proc.terminate()
@@ -78,10 +83,17 @@ def served(config_toml: str = PIPER_CONFIG_TOML) -> Iterator[tuple[str, int]]:
             proc.kill()
 
 
-def _wait_for_url(proc: subprocess.Popen[str]) -> str:
+def _drain_log(proc: subprocess.Popen[str], sink: Callable[[str], None]) -> None:
+    for line in proc.stdout:  # type: ignore[union-attr]
+        sink(line)
+
+
+def _wait_for_url(proc: subprocess.Popen[str], log_lines: deque[str] | None = None) -> str:
     lines = []
     for line in proc.stdout:  # type: ignore[union-attr]
         lines.append(line)
+        if log_lines is not None:
+            log_lines.append(line)
         match = re.search(r"serving on (http://\S+)", line)
         if match:
             return match.group(1)

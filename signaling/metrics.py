@@ -130,6 +130,12 @@ class Metrics:
             [({}, steps.longest_ms / 1000.0)],
         )
         metric(
+            "voicertc_engine_step_max_cpu_seconds",
+            "gauge",
+            "The engine thread's CPU time in its costliest step so far (not inflated by other processes).",
+            [({}, steps.longest_cpu_ms / 1000.0)],
+        )
+        metric(
             "voicertc_engine_steps_over_budget_total",
             "counter",
             "Engine steps longer than engine.max_step_ms.",

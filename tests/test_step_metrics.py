@@ -9,7 +9,7 @@ from voicertc.engine.step_stats import StepStats
 def test_step_times_are_rendered_when_the_engine_keeps_them():
     stats = StepStats(max_step_ms=200.0)
     for ms in (40.0, 180.0, 450.0):
-        stats.observe(ms)
+        stats.observe(ms, cpu_ms=ms / 1.5)
     metrics = Metrics()
     assert "voicertc_engine_step" not in metrics.render()  # an engine without step stats
     metrics.engine_steps = lambda: stats
@@ -19,3 +19,4 @@ def test_step_times_are_rendered_when_the_engine_keeps_them():
     assert "voicertc_engine_step_seconds_sum 0.67" in text
     assert "voicertc_engine_step_max_seconds 0.45" in text
     assert "voicertc_engine_steps_over_budget_total 1" in text
+    assert "voicertc_engine_step_max_cpu_seconds 0.3" in text

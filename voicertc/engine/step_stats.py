@@ -23,19 +23,22 @@ class StepStats:
     sum_ms: float = 0.0
     longest_ms: float = 0.0
     over_budget: int = 0  # steps longer than max_step_ms
+    longest_cpu_ms: float = 0.0  # the engine thread's own CPU time in its costliest step (no contention)
 
     def __post_init__(self) -> None:
         if not self.counts:
             self.counts = [0] * len(self.buckets_ms)
 
-    def observe(self, step_ms: float) -> bool:
-        """Count one step; True when it took longer than `max_step_ms`."""
+    def observe(self, step_ms: float, cpu_ms: float = 0.0) -> bool:
+        """Count one step (wall time, and the engine thread's CPU time in it); True when it took
+        longer than `max_step_ms`."""
         for i, bound in enumerate(self.buckets_ms):
             if step_ms <= bound:
                 self.counts[i] += 1
         self.steps += 1
         self.sum_ms += step_ms
         self.longest_ms = max(self.longest_ms, step_ms)
+        self.longest_cpu_ms = max(self.longest_cpu_ms, cpu_ms)
         over = step_ms > self.max_step_ms
         self.over_budget += over
         return over
@@ -50,5 +53,6 @@ class StepStats:
             total.steps += part.steps
             total.sum_ms += part.sum_ms
             total.longest_ms = max(total.longest_ms, part.longest_ms)
+            total.longest_cpu_ms = max(total.longest_cpu_ms, part.longest_cpu_ms)
             total.over_budget += part.over_budget
         return total

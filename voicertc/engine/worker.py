@@ -423,7 +423,7 @@ class EngineWorker:
         utt.metrics["text_chars"] += len(text)
 
     def _run_batch(self, batch: list[Job[Any]]) -> None:
-        started = self.clock()
+        started, cpu_started = self.clock(), time.thread_time()
         for job in batch:
             job.utt.steps += 1
         try:
@@ -431,7 +431,7 @@ class EngineWorker:
         except Exception as exc:  # noqa: BLE001 - a backend that failed the whole batch fails its members
             results = [exc] * len(batch)
         model_s = self.clock() - started
-        over = self.step_stats.observe(1000.0 * model_s)
+        over = self.step_stats.observe(1000.0 * model_s, 1000.0 * (time.thread_time() - cpu_started))
         share_s = model_s / len(batch)
         for job, result in zip(batch, results, strict=True):
             utt = job.utt

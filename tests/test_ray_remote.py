@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import secrets
+import signal
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -285,6 +286,32 @@ def test_an_engine_app_that_is_not_there_is_refused_at_start(cluster):
     eng = RemoteEngine(front_end("no-such-app", ray={"connect_timeout_s": 5.0}))
     with pytest.raises(EngineUnavailableError, match="no-such-app"):
         eng.start()
+
+
+async def test_a_stalled_replica_fails_its_utterance_at_the_deadline(cluster):
+    with remote(ray={"stall_timeout_s": 2.0}) as eng:
+        async with played_ring() as (_ring, sink):
+            warm = Listener()
+            eng.say(None, sink, warm, "Warm up.")
+            assert isinstance(await warm.terminal(), Done)
+            victim = eng.replicas[warm.events[-1].utterance_id]
+            pid = eng.replica_pids[victim]
+
+            listener = Listener()
+            eng.say(None, sink, listener, LONG_TEXT)
+            await listener.first_audio()
+            os.kill(pid, signal.SIGSTOP)  # alive, silent: a stalled replica
+            try:
+                event = await listener.terminal()
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert isinstance(event, Failed) and event.code == "engine_lost", listener.events
+            assert "stall_timeout_s" in event.message
+
+            after = Listener()
+            next_uid = eng.say(None, sink, after, "Still here.")
+            assert isinstance(await after.terminal(), Done), after.events
+            assert eng.replicas[next_uid] != victim
 
 
 async def test_a_killed_replica_fails_its_utterance_and_the_next_one_moves(cluster):

@@ -8,6 +8,7 @@ state lives here, in a module the router imports by reference: the client (`Remo
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -15,7 +16,7 @@ MAX_SESSIONS = 100_000  # pins kept per front-end process (least recently used d
 
 _lock = threading.Lock()
 _pins: OrderedDict[str, str] = OrderedDict()  # session key -> replica unique id
-_lost: set[str] = set()  # replicas the client saw fail: not chosen while another one is usable
+_lost: dict[str, float] = {}  # replica the client saw fail -> when: avoided while another one is usable
 
 
 def pinned_replica(session: str) -> str | None:
@@ -33,7 +34,7 @@ def forget_session(session: str) -> None:
 def forget_replica(replica: str) -> None:
     """A replica failed under a request: unpin its sessions; avoid it from now on."""
     with _lock:
-        _lost.add(replica)
+        _lost[replica] = time.monotonic()
         for session in [s for s, r in _pins.items() if r == replica]:
             del _pins[session]
 
@@ -42,7 +43,9 @@ def choose(session: str | None, candidates: list[str], queue_len: Callable[[str]
     """The replica for a request of `session` among `candidates` (unique ids); pins a new session to
     the candidate with the fewest pinned sessions (then the shortest queue, then the id)."""
     with _lock:
-        usable = [rid for rid in candidates if rid not in _lost] or list(candidates)
+        usable = [rid for rid in candidates if rid not in _lost]
+        if not usable and candidates:  # every one failed once: the one that failed longest ago
+            usable = [min(candidates, key=lambda rid: _lost[rid])]
         if not usable:
             return None
         if session is not None and (pinned := _pins.get(session)) in usable:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -53,7 +54,9 @@ logger = logging.getLogger(__name__)
 
 ENGINE_LOST = "engine_lost"
 REPLICAS_KEPT = 10_000  # utterance id -> replica, for operators and tests
-CREDIT_SLACK_MS = 100.0  # a replica within this of its credit limit is waiting for credit, not stalled
+CREDIT_SLACK_MS = 100.0
+DELAYS_KEPT = 100_000  # recent per-chunk hop delays (replica on this machine), for bench.remote_load
+_HOST = socket.gethostname()  # a replica within this of its credit limit is waiting for credit, not stalled
 
 
 class VersionSkewError(EngineUnavailableError):
@@ -111,6 +114,8 @@ class RemoteEngine:
         self.client_version = client_version
         self.clock = clock
         self.replicas: OrderedDict[str, str] = OrderedDict()  # utterance id -> replica unique id
+        self.replica_pids: dict[str, int] = {}  # replica unique id -> its process id (on its node)
+        self.chunk_delays_ms: deque[float] = deque(maxlen=DELAYS_KEPT)  # replica write -> here
         self.stats = {"utterances": 0, "done": 0, "cancelled": 0, "failed": 0, "engine_lost": 0}
         self._lock = threading.Lock()
         self._open: set[str] = set()  # counted utterances (until cancel() or their terminal event)
@@ -122,6 +127,7 @@ class RemoteEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._handle: Any = None
+        self._stream_handle: Any = None
         self._health: asyncio.Task[None] | None = None
         self._owns_ray = False
 
@@ -285,6 +291,7 @@ class RemoteEngine:
         where = f"app {self.ray.app_name!r} on the Ray cluster at {self.ray.address!r}"
         try:
             self._handle = serve.get_app_handle(self.ray.app_name)
+            self._stream_handle = self._handle.options(stream=True)
             async with asyncio.timeout(self.ray.connect_timeout_s):
                 info: dict[str, Any] = await self._handle.info.remote()
         except TimeoutError:
@@ -375,7 +382,7 @@ class RemoteEngine:
         """The utterance's stream: open on a replica, then write its PCM into the sink."""
         text, utt.outbox = "".join(utt.outbox), []
         utt.end_sent = utt.input_ended
-        handle = self._handle.options(stream=True)
+        handle = self._stream_handle
         next_message: asyncio.Future[Any] | None = None
         try:
             utt.gen = handle.stream.remote(
@@ -419,6 +426,8 @@ class RemoteEngine:
         if kind == "pcm":
             pcm = pcm_from_message(message[1])
             rate = int(message[2])
+            if len(message) > 4 and message[4] == _HOST:  # same machine: one clock
+                self.chunk_delays_ms.append(1000.0 * (time.monotonic() - float(message[3])))
             utt.received_ms += 1000.0 * len(pcm) / rate
             utt.pending.append((pcm, rate))
             self._flush(utt)
@@ -427,6 +436,7 @@ class RemoteEngine:
             self._flush(utt)
         elif kind == "open":
             utt.replica = str(message[1]["replica"])
+            self.replica_pids[utt.replica] = int(message[1].get("pid", 0))
             self.replicas[utt.utterance_id] = utt.replica
             while len(self.replicas) > REPLICAS_KEPT:
                 self.replicas.popitem(last=False)

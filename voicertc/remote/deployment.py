@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -176,7 +177,7 @@ class EngineReplica:
         )
         finished = False
         try:
-            yield ("open", {"replica": self.replica_id, "version": __version__, "protocol": PROTOCOL})
+            yield ("open", self._header())
             if text:
                 self.engine.push_text(utterance_id, text)
             if end:
@@ -195,6 +196,9 @@ class EngineReplica:
             if not finished:
                 self.engine.cancel(utterance_id)  # the front-end cancelled or went away: free it now
             self._report(utterance_id, sink, cancelled=not finished)
+
+    def _header(self) -> dict[str, Any]:
+        return {"replica": self.replica_id, "pid": os.getpid(), "version": __version__, "protocol": PROTOCOL}
 
     async def control(
         self,

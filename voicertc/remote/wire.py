@@ -9,6 +9,8 @@ No Ray import here: the front-end's in-process mode and the tests' pure parts ca
 
 from __future__ import annotations
 
+import socket
+import time
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,7 @@ DEPLOYMENT_NAME = "VoiceEngine"
 ROUTER_CLASS = "voicertc.remote.router:SessionAffinityRouter"
 
 Message = tuple[Any, ...]
+_HOST = socket.gethostname()
 
 
 def version_string(version: str = __version__, protocol: int = PROTOCOL) -> str:
@@ -40,9 +43,10 @@ def check_versions(
 
 
 def pcm_message(pcm: np.ndarray, sample_rate_hz: int) -> Message:
-    """float PCM in [-1, 1] -> the int16 bytes that travel (half the bytes of float32)."""
+    """float PCM in [-1, 1] -> the int16 bytes that travel (half the bytes of float32), stamped with
+    the replica's monotonic clock (same machine: the front-end measures the hop; else ignored)."""
     samples = np.round(np.clip(np.asarray(pcm, dtype=np.float32), -1.0, 1.0) * 32767.0).astype("<i2")
-    return ("pcm", samples.tobytes(), int(sample_rate_hz))
+    return ("pcm", samples.tobytes(), int(sample_rate_hz), time.monotonic(), _HOST)
 
 
 def pcm_from_message(data: bytes) -> np.ndarray:

@@ -2,68 +2,26 @@
 
 A clip is a list of parts: text (spoken) or a float (seconds of silence). `caller_clip` returns the
 16 kHz float PCM and the speech edges of every spoken part (first/last sample above -40 dBFS in
-10 ms frames), so tests can check events against the clip's own timeline.
+10 ms frames), so tests can check events against the clip's own timeline. The clip machinery lives
+in `bench/mic.py` (the benchmarks use it too).
 """
 
 from __future__ import annotations
 
-import functools
+import re
 import wave
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import soxr
 
-CLIP_RATE_HZ = 16000
-EDGE_DBFS = -40.0
+from bench.mic import CLIP_RATE_HZ, ClipTrack, Spoken, caller_clip, say, speech_edges
 
-
-@functools.cache
-def _piper():
-    from voicertc.backends.piper import PiperBackend
-
-    return PiperBackend()
+__all__ = ["CLIP_RATE_HZ", "Spoken", "caller_clip", "clip_track", "say", "speech_edges", "wer", "write_wav"]
 
 
-@functools.cache
-def say(text: str) -> np.ndarray:
-    """`text` spoken by the bundled voice, 16 kHz float32."""
-    piper = _piper()
-    pcm = np.concatenate(piper.synthesize(text)).astype(np.float32)
-    return soxr.resample(pcm, piper.sample_rate_hz, CLIP_RATE_HZ).astype(np.float32)
-
-
-def speech_edges(pcm: np.ndarray, rate: int = CLIP_RATE_HZ) -> tuple[float, float]:
-    """(first, last) second where 10 ms frames are louder than -40 dBFS."""
-    hop = rate // 100
-    frames = pcm[: pcm.size - pcm.size % hop].reshape(-1, hop)
-    db = 20 * np.log10(np.sqrt(np.mean(frames.astype(np.float64) ** 2, axis=1)) + 1e-9)
-    loud = np.flatnonzero(db > EDGE_DBFS)
-    return (loud[0] * hop / rate, (loud[-1] + 1) * hop / rate) if loud.size else (0.0, 0.0)
-
-
-@dataclass(frozen=True)
-class Spoken:
-    text: str
-    start_s: float  # speech onset in the clip
-    end_s: float  # speech end in the clip
-
-
-def caller_clip(parts: list[str | float]) -> tuple[np.ndarray, list[Spoken]]:
-    pieces: list[np.ndarray] = []
-    spoken: list[Spoken] = []
-    at = 0
-    for part in parts:
-        if isinstance(part, str):
-            pcm = say(part)
-            first, last = speech_edges(pcm)
-            spoken.append(Spoken(part, at / CLIP_RATE_HZ + first, at / CLIP_RATE_HZ + last))
-        else:
-            pcm = np.zeros(int(part * CLIP_RATE_HZ), np.float32)
-        pieces.append(pcm)
-        at += pcm.size
-    return np.concatenate(pieces), spoken
+def clip_track(pcm_16k: np.ndarray, loop_clip: bool = False) -> ClipTrack:
+    """An aiortc microphone playing the clip (see `bench.mic.ClipTrack`)."""
+    return ClipTrack(pcm_16k, loop_clip)
 
 
 def write_wav(path: Path, pcm: np.ndarray, rate: int = CLIP_RATE_HZ) -> Path:
@@ -77,8 +35,6 @@ def write_wav(path: Path, pcm: np.ndarray, rate: int = CLIP_RATE_HZ) -> Path:
 
 def wer(reference: str, hypothesis: str) -> float:
     """Word error rate on lowercased words without punctuation."""
-    import re
-
     ref = re.findall(r"[a-z0-9']+", reference.lower())
     hyp = re.findall(r"[a-z0-9']+", hypothesis.lower())
     d = list(range(len(hyp) + 1))
@@ -87,45 +43,3 @@ def wer(reference: str, hypothesis: str) -> float:
         for j, h in enumerate(hyp, 1):
             prev, d[j] = d[j], min(d[j] + 1, d[j - 1] + 1, prev + (r != h))
     return d[len(hyp)] / max(1, len(ref))
-
-
-def clip_track(pcm_16k: np.ndarray, loop_clip: bool = False):
-    """An aiortc microphone that plays a 16 kHz clip as paced 20 ms 48 kHz mono frames, then silence
-    (or the clip again, `loop_clip`); its `pos` is the clip sample (at 48 kHz) it has reached."""
-    import asyncio
-    import fractions
-    import time
-
-    from aiortc.mediastreams import MediaStreamTrack
-    from av import AudioFrame
-
-    pcm_48k = soxr.resample(pcm_16k, CLIP_RATE_HZ, 48000).astype(np.float32)
-    samples = (np.clip(pcm_48k, -1, 1) * 32767).astype(np.int16)
-
-    class _Track(MediaStreamTrack):
-        kind = "audio"
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.pos = 0
-            self.started_s: float | None = None
-
-        async def recv(self) -> AudioFrame:
-            n = 960
-            if self.started_s is None:
-                self.started_s = time.monotonic()
-            wait = self.started_s + self.pos / 48000 - time.monotonic()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            start = self.pos % samples.size if loop_clip else self.pos
-            chunk = samples[start : start + n]
-            if chunk.size < n:
-                chunk = np.concatenate((chunk, np.zeros(n - chunk.size, np.int16)))
-            frame = AudioFrame.from_ndarray(chunk.reshape(1, -1), format="s16", layout="mono")
-            frame.sample_rate = 48000
-            frame.pts = self.pos
-            frame.time_base = fractions.Fraction(1, 48000)
-            self.pos += n
-            return frame
-
-    return _Track()

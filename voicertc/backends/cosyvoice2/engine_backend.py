@@ -222,7 +222,8 @@ class CosyVoice2Backend:
             if isinstance(work, Frontend):
                 self._frontend(job.utt, st)
             elif isinstance(work, Prefill):
-                self._start_segment(st)
+                text = self._start_segment(st)
+                return SynthStep(sample_rate_hz=SAMPLE_RATE_HZ, text=text)  # marks where its audio starts
             elif isinstance(work, Finish):
                 st.release()
                 return SynthStep(sample_rate_hz=SAMPLE_RATE_HZ, done=True)
@@ -238,7 +239,9 @@ class CosyVoice2Backend:
         texts = st.take_text(utt)
         if st.mode == "whole":
             pieces = self._normalize(utt, texts[0], split=True)
-            st.segments = deque(ids for p in pieces if (ids := encode(p)))
+            encoded = [(ids, p) for p in pieces if (ids := encode(p))]
+            st.segments = deque(ids for ids, _ in encoded)
+            st.segment_texts = deque(p for _, p in encoded)
         else:
             if st.bistream is None:
                 voice = st.voice
@@ -270,7 +273,8 @@ class CosyVoice2Backend:
             st.voice, self.schedule, generator=st.hift_generator, pcm_to_host=self.lane.to_host
         )
 
-    def _start_segment(self, st: Cv2State) -> None:
+    def _start_segment(self, st: Cv2State) -> str:
+        """Prefill the next segment's LLM; returns its text (what its audio will say)."""
         assert st.segments
         st.end_llm()
         if st.t2w is not None:
@@ -285,6 +289,7 @@ class CosyVoice2Backend:
             st.llm.max_len = min(st.llm.max_len, self.options.max_segment_tokens)
         st.llm_steps = 0
         st.t2w = self._open_t2w(st)
+        return st.segment_texts.popleft() if st.segment_texts else ""
 
     # ---- LLM decode, batched across utterances ------------------------------------------------
 

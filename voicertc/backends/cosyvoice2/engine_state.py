@@ -57,6 +57,7 @@ class Cv2State:
     hift_generator: torch.Generator
     mode: TextMode | None = None
     segments: deque[list[int]] | None = None  # whole text: token ids of the pieces not yet spoken
+    segment_texts: deque[str] | None = None  # whole text: each segment's (normalised) text, for heard_text
     splitter: SentenceStream = field(default_factory=SentenceStream)
     text_ended: bool = False  # deltas: the bistream session has been told
     llm: LlmSession | None = None

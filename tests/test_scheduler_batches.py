@@ -55,8 +55,12 @@ def test_the_most_urgent_unit_leads_and_only_equal_flow_advances_join_it():
     assert names(form_batch(rest, max_batch=16)) == ["a", "b"]
 
 
-def test_vocoder_runs_batch_across_utterances_and_other_units_run_alone():
-    jobs = [job("v1", Vocode(), queued_ms=100), job("v2", Vocode(final=True), opened_s=1.0)]
+def test_vocoder_runs_of_one_length_batch_across_utterances_and_other_units_run_alone():
+    jobs = [
+        job("v1", Vocode(frames=58), queued_ms=100),
+        job("v2", Vocode(frames=58, final=True), opened_s=1.0),
+        job("v3", Vocode(frames=50), opened_s=0.5),  # another vocoder length: not in this batch
+    ]
     assert names(form_batch(jobs, max_batch=16)) == ["v1", "v2"]
     for unit in (Frontend(), Finish(), Synth()):
         jobs = [job("x", unit, opened_s=0.0), job("y", unit, opened_s=1.0)]

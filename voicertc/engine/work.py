@@ -9,7 +9,7 @@ does them together. Units are frozen values: equal units of different utterances
 * `Decode`    LLM decode steps (batched across utterances; `until_chunk` / `chunk_advance` describe
   the flow chunk the decode is heading to, so the scheduler can pull a partner forward);
 * `FlowChunk` one flow chunk, advancing the flow state by `advance_tokens` (batched when equal);
-* `Vocode`    HiFT for the mel a `FlowChunk` produced (batched across utterances);
+* `Vocode`    HiFT for the mel a `FlowChunk` produced (batched across utterances of equal `frames`);
 * `Finish`    nothing left to synthesise: the utterance is done;
 * `Synth`     one whole step of a backend that does not split its work (Piper, the fake engine).
 """
@@ -46,6 +46,7 @@ class FlowChunk:
 
 @dataclass(frozen=True)
 class Vocode:
+    frames: int = 0  # the vocoder input's length (rows batch only when equal: the vocoder is non-causal)
     final: bool = False
 
 
@@ -79,7 +80,7 @@ def batch_key(work: Work) -> tuple[object, ...] | None:
     if isinstance(work, FlowChunk):
         return ("flow", work.advance_tokens, work.final)
     if isinstance(work, Vocode):
-        return ("vocode",)
+        return ("vocode", work.frames)
     return None
 
 

@@ -8,7 +8,8 @@ unit (`Cv2State.plan`, no side effects); `run(batch)` does a batch the scheduler
   chunk becomes ready, its LLM ends, or it waits for text;
 * `FlowChunk` one estimator batch per `options.max_batch` rows of equal advance (if it fails, each row is
   retried alone from a saved state, so only the utterance at fault fails);
-* `Vocode`    HiFT for each row's mel;
+* `Vocode`    one HiFT forward for every row of equal vocoder length (`hift_batch.vocode_batch`: per-row
+  caches and generators; every row's device->host copy is queued before the first wait);
 * `Frontend` / `Prefill` / `Finish` one utterance at a time (cheap transitions).
 
 A chunk is ready the moment its last lookahead token is decoded, so nothing waits or polls. Every
@@ -22,7 +23,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -31,6 +32,8 @@ from voicertc.audio.decode import Clip
 from voicertc.backends.cosyvoice2.bistream import BistreamSession
 from voicertc.backends.cosyvoice2.device_lane import DeviceLane, resolve_device
 from voicertc.backends.cosyvoice2.engine_state import Cv2State, FlowedChunk
+from voicertc.backends.cosyvoice2.hift_batch import vocode_batch
+from voicertc.backends.cosyvoice2.hift_stream import HiftStreamState
 from voicertc.backends.cosyvoice2.llm_batch import KVSlot, SlotKV, decode_batch
 from voicertc.backends.cosyvoice2.loader import CosyVoice2Model, load
 from voicertc.backends.cosyvoice2.sampling import SamplingMode
@@ -404,26 +407,61 @@ class CosyVoice2Backend:
     # ---- vocoder ------------------------------------------------------------------------------
 
     def _run_vocode(self, batch: Sequence[Cv2Job]) -> list[StepResult]:
+        """HiFT for every row in one forward (the scheduler batched equal vocoder lengths); if the batch
+        fails, each row is retried alone (its HiFT state is only written once its own row succeeded)."""
+        try:
+            states = [self._state(job) for job in batch]
+            flowed = [st.flowed for st in states]
+            t2ws = [st.t2w for st in states]
+            if any(f is None for f in flowed) or any(t is None for t in t2ws):
+                raise RuntimeError("vocoder unit planned without a flowed chunk")
+        except Exception as exc:  # noqa: BLE001 - isolated per utterance
+            return self._vocode_alone(batch) if len(batch) > 1 else [exc]
+        if len(batch) > 1:
+            saved = [_hift_snapshot(t) for t in t2ws]  # type: ignore[arg-type]
+        try:
+            chunks = vocode_batch(
+                t2ws,  # type: ignore[arg-type]
+                [f.plan for f in flowed],  # type: ignore[union-attr]
+                [f.mel for f in flowed],  # type: ignore[union-attr]
+                [f.flow_s for f in flowed],  # type: ignore[union-attr]
+                to_host=self.lane.to_host_async,
+            )
+        except Exception as exc:  # noqa: BLE001 - retried alone below (or the lone row fails)
+            if len(batch) == 1:
+                return [exc]
+            logger.warning("batched vocoder step failed; retrying its %d utterances one by one", len(batch))
+            for t2w, snapshot in zip(t2ws, saved, strict=True):
+                _hift_restore(t2w, snapshot)  # type: ignore[arg-type]
+            return self._vocode_alone(batch)
         self.stats["vocode_batches"] += 1
         results: list[StepResult] = []
-        for job in batch:
-            try:
-                st = self._state(job)
-                flowed = st.flowed
-                assert flowed is not None and st.t2w is not None
-                st.flowed = None
-                chunk = self._account(job.utt, st.t2w.complete(flowed.plan, flowed.mel, flowed.flow_s))
-                pcm = [chunk.pcm] if chunk.pcm.size else []
-                results.append(SynthStep(pcm=pcm, sample_rate_hz=SAMPLE_RATE_HZ))
-            except Exception as exc:  # noqa: BLE001 - isolated per utterance
-                results.append(exc)
+        for job, st, chunk in zip(batch, states, chunks, strict=True):
+            st.flowed = None
+            self._account(job.utt, chunk)
+            pcm = [chunk.pcm] if chunk.pcm.size else []
+            results.append(SynthStep(pcm=pcm, sample_rate_hz=SAMPLE_RATE_HZ))
         return results
+
+    def _vocode_alone(self, batch: Sequence[Cv2Job]) -> list[StepResult]:
+        return [r for job in batch for r in self._run_vocode([job])]
 
     def _account(self, utt: Utterance[Cv2State], chunk: Chunk) -> Chunk:
         utt.add_metric("flow_s", chunk.flow_s)
         utt.add_metric("vocoder_s", chunk.vocoder_s)
         self.stats["chunks"] += 1
         return chunk
+
+
+def _hift_snapshot(t2w: Token2WavStream) -> HiftStreamState | None:
+    state = t2w.hift_state
+    return None if state is None else replace(state)
+
+
+def _hift_restore(t2w: Token2WavStream, snapshot: HiftStreamState | None) -> None:
+    if snapshot is not None and t2w.hift_state is not None:
+        t2w.hift_state.__dict__.update(snapshot.__dict__)
+        t2w.finished = False
 
 
 def register_voice_command(

@@ -111,7 +111,11 @@ class Cv2State:
         if self.done:
             return None
         if self.flowed is not None:
-            return Vocode(final=self.flowed.plan.final)
+            hift = self.t2w.hift_state if self.t2w is not None else None
+            frames = self.flowed.mel.shape[2]
+            if hift is not None and hift.mel_cache is not None:
+                frames += hift.mel_cache.shape[2]
+            return Vocode(frames=frames, final=self.flowed.plan.final)
         if self.mode is None:
             return Frontend() if utt.input_ended or utt.text.strip() else None
         if self.mode == "deltas" and (

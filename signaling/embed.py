@@ -54,10 +54,19 @@ class AgentCall:
         return self._call.state
 
     def say(
-        self, text: str | AsyncIterable[str], *, voice: str | None = None, interrupt: bool = False
+        self,
+        text: str | AsyncIterable[str],
+        *,
+        voice: str | None = None,
+        interrupt: bool = False,
+        instruct: str | None = None,
+        speed: float | None = None,
     ) -> SpeechHandle:
-        """Queue speech (after what is already queued, unless `interrupt`); `await handle.done()` to wait."""
-        return self._call.speak(text, voice=voice, interrupt=interrupt)
+        """Queue speech (after what is already queued, unless `interrupt`); `await handle.done()` to wait.
+
+        `instruct`: an instruction for the voice (CosyVoice2 instruct2, e.g. "Speak slowly and softly.");
+        `speed`: only 1.0, since the reference changes speed only without streaming (InputError otherwise)."""
+        return self._call.speak(text, voice=voice, interrupt=interrupt, instruct=instruct, speed=speed)
 
     def interrupt(self) -> tuple[str | None, float]:
         """Cut what is playing and drop what is queued: (utterance_id, played_ms)."""

@@ -231,7 +231,28 @@ def _schemas() -> dict[str, Any]:
         "Speak": {
             "type": "object",
             "required": ["text"],
-            "properties": {"text": string, "voice": string, "interrupt": {"type": "boolean"}},
+            "properties": {
+                "text": string,
+                "voice": string,
+                "interrupt": {"type": "boolean"},
+                "instruct": {
+                    "type": "string",
+                    "description": "CosyVoice2 instruct2: an instruction for the voice ('Speak happily.', "
+                    "'用四川话说这句话'); `<|endofprompt|>` is appended when absent. The LLM then gets the "
+                    "instruction instead of the voice's transcript and no prompt speech; the flow keeps the "
+                    "voice. Other engines: 400 `not_supported`. NDJSON: `?instruct=`.",
+                },
+                "speed": {
+                    "type": "number",
+                    "description": "Only 1.0: the reference changes speed only in non-streaming synthesis "
+                    "(mel interpolation) and every engine here streams, so other values are 400 "
+                    "`speed_not_supported`. NDJSON: `?speed=`.",
+                },
+            },
+            "description": "Fine-grained tags in `text` ([laughter], [breath], <strong>...</strong>, "
+            "[noise], [cough], [sigh], <laughter>...</laughter>, ...) are CosyVoice2 special tokens, passed "
+            "to the "
+            "model as single ids. A voice registered without a transcript speaks cross-lingually.",
         },
         "Interrupted": {
             "type": "object",
@@ -239,7 +260,8 @@ def _schemas() -> dict[str, Any]:
         },
         "Event": {
             "description": "Data channel `events` and SSE. Client -> server: {type: speak, text, voice?, "
-            "interrupt?}, {type: interrupt}, {type: ping} (keep-alive; answered with pong). "
+            "interrupt?, instruct?, speed?}, {type: interrupt}, {type: ping} (keep-alive; answered with "
+            "pong). "
             "Server -> client: "
             "speech.queued {utterance_id} (every utterance, however it was requested), speech.started "
             "{utterance_id, ttfa_ms} (not sent for an utterance without audio), speech.done "

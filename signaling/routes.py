@@ -158,13 +158,17 @@ async def speak(request: web.Request) -> web.Response:
         raise ApiError(400, "bad_request", '"interrupt" must be true or false')
     if voice:
         _registry(request).check_voice(voice)
-    handle = _speak(call, text, voice, interrupt)
+    mode = {"instruct": body.get("instruct"), "speed": body.get("speed")}  # checked by call.speak
+    handle = _speak(call, text, voice, interrupt, **mode)
     return web.json_response({"utterance_id": handle.utterance_id}, status=202)
 
 
-def _speak(call: Call, text: str | AsyncIterator[str], voice: str | None, interrupt: bool) -> SpeechHandle:
+def _speak(
+    call: Call, text: str | AsyncIterator[str], voice: str | None, interrupt: bool, **mode: Any
+) -> SpeechHandle:
+    """`mode`: instruct / speed as the request gave them (validated by `call.speak`)."""
     try:
-        return call.speak(text, voice=voice, interrupt=interrupt)
+        return call.speak(text, voice=voice, interrupt=interrupt, **mode)
     except QueueFullError as exc:
         raise ApiError(429, exc.code, str(exc), {"Retry-After": "1"}) from exc
     except EngineStoppedError as exc:  # engine_unavailable (a remote engine out of reach) says when to retry
@@ -246,8 +250,14 @@ async def _speak_stream(request: web.Request, call: Call) -> web.Response:
     interrupt = _query_bool(request, "interrupt")
     if voice:
         _registry(request).check_voice(voice)
+    mode: dict[str, Any] = {"instruct": request.query.get("instruct")}
+    if "speed" in request.query:
+        try:
+            mode["speed"] = float(request.query["speed"])
+        except ValueError:
+            raise ApiError(400, "bad_request", "?speed= must be a number") from None
     limits = call.config.limits
-    handle = _speak(call, _ndjson_deltas(request, limits.max_text_chars), voice, interrupt)
+    handle = _speak(call, _ndjson_deltas(request, limits.max_text_chars), voice, interrupt, **mode)
     assert handle.feeder is not None
     await asyncio.wait([handle.feeder])
     await _discard_rest(request, call)

@@ -112,6 +112,14 @@ async def test_register_each_format_list_get_speak_delete(speaking_dir, tmp_path
             uid = (await resp.json())["utterance_id"]
             done = await peer.wait_event("speech.done", timeout_s=60, utterance_id=uid)
             assert done["played_ms"] > 0
+            speak = f"/v1/calls/{call['id']}/speak"
+            resp = await client.post(speak, json={"text": "Yes [laughter].", "instruct": "Speak happily."})
+            assert resp.status == 202, await resp.text()
+            uid = (await resp.json())["utterance_id"]
+            assert (await peer.wait_event("speech.done", timeout_s=60, utterance_id=uid))["played_ms"] > 0
+            await expect_error(
+                await client.post(speak, json={"text": "Hi.", "speed": 1.5}), 400, "speed_not_supported"
+            )
         finally:
             await peer.close()
 

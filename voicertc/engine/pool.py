@@ -25,7 +25,15 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 from voicertc.engine.backend import Backend
-from voicertc.engine.protocol import AudioSink, Cancelled, Done, EngineEvent, EventCallback, Failed
+from voicertc.engine.protocol import (
+    AudioSink,
+    Cancelled,
+    Done,
+    EngineEvent,
+    EventCallback,
+    Failed,
+    SpeakOptions,
+)
 from voicertc.engine.step_stats import StepStats
 from voicertc.engine.worker import EngineWorker
 from voicertc.errors import InputError
@@ -78,6 +86,9 @@ class EnginePool:
     def running(self) -> bool:
         return all(worker.running for worker in self.workers)
 
+    def supports(self, feature: str) -> bool:
+        return self.workers[0].supports(feature)
+
     @property
     def ready(self) -> bool:
         return all(worker.ready for worker in self.workers)
@@ -90,7 +101,12 @@ class EnginePool:
         return self.workers[0].resolve_voice(voice)
 
     def open_utterance(
-        self, voice: str | None, sink: AudioSink, on_event: EventCallback, utterance_id: str | None = None
+        self,
+        voice: str | None,
+        sink: AudioSink,
+        on_event: EventCallback,
+        utterance_id: str | None = None,
+        options: SpeakOptions | None = None,
     ) -> str:
         uid = utterance_id or uuid.uuid4().hex[:12]
 
@@ -109,7 +125,7 @@ class EnginePool:
             self._counted.add(uid)
         worker = self.workers[index]
         try:
-            return worker.open_utterance(voice, sink, routed, uid)
+            return worker.open_utterance(voice, sink, routed, uid, options)
         except BaseException:
             with self._lock:
                 self._routes.pop(uid, None)

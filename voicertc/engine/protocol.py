@@ -56,12 +56,32 @@ EventCallback = Callable[[EngineEvent], None]
 
 
 @dataclass(frozen=True)
+class SpeakOptions:
+    """How to speak an utterance beyond its voice (backends that cannot honour one are refused at the edge).
+
+    `instruct`: an instruction for the voice (CosyVoice2 instruct2: "speak cheerfully", "用四川话说这句话").
+    `speed`: a speed factor; the reference changes speed only in non-streaming synthesis, so the streaming
+    engines here accept only 1.0.
+    """
+
+    instruct: str = ""
+    speed: float = 1.0
+
+    def __bool__(self) -> bool:
+        return bool(self.instruct) or self.speed != 1.0
+
+
+DEFAULT_OPTIONS = SpeakOptions()
+
+
+@dataclass(frozen=True)
 class OpenUtterance:
     utterance_id: str
     voice: str
     sink: AudioSink
     on_event: EventCallback
     generation: int  # sink generation at open; writes after a clear() of the sink are dropped
+    options: SpeakOptions = DEFAULT_OPTIONS
 
 
 @dataclass(frozen=True)

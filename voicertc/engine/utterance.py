@@ -8,7 +8,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from voicertc.engine.protocol import AudioSink, EventCallback
+from voicertc.engine.protocol import DEFAULT_OPTIONS, AudioSink, EventCallback, SpeakOptions
 
 S = TypeVar("S")
 
@@ -43,6 +43,7 @@ class Utterance(Generic[S]):
     pending_pcm: deque[tuple[np.ndarray, int]] = field(default_factory=deque)
     backend_state: S | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    options: SpeakOptions = DEFAULT_OPTIONS  # instruct / speed of the speak request
 
     def take_text(self) -> str:
         text, self.text = self.text, ""

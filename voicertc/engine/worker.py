@@ -27,6 +27,7 @@ import numpy as np
 
 from voicertc.engine.backend import Backend, StepResult, SynthStep, as_batch_backend
 from voicertc.engine.protocol import (
+    DEFAULT_OPTIONS,
     AudioSink,
     Cancel,
     Cancelled,
@@ -40,6 +41,7 @@ from voicertc.engine.protocol import (
     OpenUtterance,
     PushText,
     RunCommand,
+    SpeakOptions,
     Stop,
     Wake,
 )
@@ -172,6 +174,10 @@ class EngineWorker:
         """Loaded, warmed up (the backend factory warms it) and accepting utterances: /readyz."""
         return self._accepting and self.running
 
+    def supports(self, feature: str) -> bool:
+        """Whether the backend honours a speak option ("instruct", "speed"); any thread."""
+        return feature in getattr(self.backend, "features", frozenset())
+
     @property
     def not_ready_reason(self) -> str:
         """Why `ready` is false ("" when it is true)."""
@@ -201,7 +207,12 @@ class EngineWorker:
         return voice
 
     def open_utterance(
-        self, voice: str | None, sink: AudioSink, on_event: EventCallback, utterance_id: str | None = None
+        self,
+        voice: str | None,
+        sink: AudioSink,
+        on_event: EventCallback,
+        utterance_id: str | None = None,
+        options: SpeakOptions | None = None,
     ) -> str:
         if not self._accepting:
             raise EngineStoppedError(f"engine {self.name} is not running")
@@ -216,7 +227,9 @@ class EngineWorker:
                 if uid in self._open_ids:
                     raise InputError(f"utterance id {uid!r} is already open")
                 self._open_ids.add(uid)
-            self._queue.put(OpenUtterance(uid, resolved, sink, on_event, sink.generation))
+            self._queue.put(
+                OpenUtterance(uid, resolved, sink, on_event, sink.generation, options or DEFAULT_OPTIONS)
+            )
         return uid
 
     def push_text(self, utterance_id: str, text: str) -> None:
@@ -399,6 +412,7 @@ class EngineWorker:
             on_event=command.on_event,
             generation=command.generation,
             opened_s=self.clock(),
+            options=command.options,
         )
         self._utterances[utt.utterance_id] = utt
         self.stats["utterances"] += 1

@@ -36,7 +36,7 @@ from voicertc.listen.bargein import BargeInDecision
 from voicertc.listen.listener import CallListener
 from voicertc.validate import BadJsonError, parse_json
 from voicertc.webrtc.loopback import loopback_only_sdp
-from voicertc.webrtc.speech import ClientEvent, SpeechHandle, SpeechQueue
+from voicertc.webrtc.speech import ClientEvent, SpeechHandle, SpeechQueue, speak_options
 from voicertc.webrtc.track import PlayoutEvent, SpeechTrack
 
 logger = logging.getLogger(__name__)
@@ -156,19 +156,28 @@ class Call:
     # --- speaking ---------------------------------------------------------------------------------
 
     def speak(
-        self, text: str | AsyncIterable[str], *, voice: str | None = None, interrupt: bool = False
+        self,
+        text: str | AsyncIterable[str],
+        *,
+        voice: str | None = None,
+        interrupt: bool = False,
+        instruct: str | None = None,
+        speed: float | None = None,
     ) -> SpeechHandle:
         """Queue an utterance (text or async iterator of deltas); `interrupt` first stops what is playing.
 
-        The request is validated before the interrupt: a bad one leaves what is playing alone.
+        `instruct`: an instruction for the voice (CosyVoice2 instruct2); `speed`: only 1.0 (the reference
+        changes speed only without streaming). The request is validated before the interrupt: a bad one
+        leaves what is playing alone.
         """
         if self.closed.is_set():
             raise CallClosedError(f"call {self.call_id} is closed")
+        options = speak_options(self.speech.engine, instruct, speed)
         voice = voice or self.default_voice
         if interrupt:
             self.speech.check(text, voice)
             self.interrupt()
-        handle = self.speech.speak(text, voice)
+        handle = self.speech.speak(text, voice, options)
         self.utterances += 1
         return handle
 
@@ -333,7 +342,8 @@ class Call:
             if not isinstance(interrupt, bool):
                 self._emit(_error("bad_message", "speak's 'interrupt' must be true or false"))
                 return
-            self.speak(text, voice=voice, interrupt=interrupt)  # emits speech.queued
+            mode = {"instruct": data.get("instruct"), "speed": data.get("speed")}
+            self.speak(text, voice=voice, interrupt=interrupt, **mode)  # emits speech.queued
         elif kind == "interrupt":
             self.interrupt()
         else:

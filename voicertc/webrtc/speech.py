@@ -16,7 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from voicertc.config import LimitsConfig
-from voicertc.engine.protocol import AudioSink, Cancelled, Done, Engine, EngineEvent, Failed, FirstAudio
+from voicertc.engine.protocol import (
+    AudioSink,
+    Cancelled,
+    Done,
+    Engine,
+    EngineEvent,
+    Failed,
+    FirstAudio,
+    SpeakOptions,
+)
 from voicertc.errors import EngineStoppedError, InputError, VoiceRTCError
 from voicertc.validate import check_text
 
@@ -28,6 +37,44 @@ EmitFn = Callable[[ClientEvent], None]
 
 class TextTooLongError(InputError):
     code = "text_too_long"
+
+
+class OptionNotSupportedError(InputError):
+    code = "not_supported"
+
+
+class SpeedNotSupportedError(InputError):
+    code = "speed_not_supported"
+
+
+MIN_SPEED, MAX_SPEED = 0.5, 2.0
+
+
+def speak_options(engine: Engine, instruct: object = None, speed: object = None) -> SpeakOptions:
+    """Validated speak options (InputError naming the field); refused when the engine cannot honour them.
+
+    `speed` follows the reference: it is applied only in non-streaming synthesis (cosyvoice.md §6.2), and
+    every engine here streams, so any value but 1.0 is refused with `speed_not_supported`."""
+    if instruct is not None and not isinstance(instruct, str):
+        raise InputError('"instruct" must be a string')
+    if speed is not None and (isinstance(speed, bool) or not isinstance(speed, int | float)):
+        raise InputError('"speed" must be a number')
+    options = SpeakOptions(
+        instruct=(instruct or "").strip(), speed=float(speed) if speed is not None else 1.0
+    )
+    if not MIN_SPEED <= options.speed <= MAX_SPEED:
+        raise InputError(f'"speed" must be {MIN_SPEED:g}..{MAX_SPEED:g}')
+    supports = getattr(engine, "supports", None)
+    if options.instruct:
+        check_text(options.instruct, "instruct")
+        if supports is None or not supports("instruct"):
+            raise OptionNotSupportedError("instruct is not supported by this engine (CosyVoice2 only)")
+    if options.speed != 1.0 and (supports is None or not supports("speed")):
+        raise SpeedNotSupportedError(
+            "speed is applied only in non-streaming synthesis (as in the reference); this engine streams, "
+            "so only speed 1.0 is accepted"
+        )
+    return options
 
 
 class QueueFullError(VoiceRTCError):
@@ -63,6 +110,7 @@ class SpeechHandle:
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
     feeder: asyncio.Task[None] | None = None
+    options: SpeakOptions | None = None  # instruct / speed, when the request set them
 
     @property
     def finished(self) -> bool:
@@ -115,7 +163,9 @@ class SpeechQueue:
         if resolve_voice is not None:
             resolve_voice(voice)
 
-    def speak(self, text: str | AsyncIterable[str], voice: str | None = None) -> SpeechHandle:
+    def speak(
+        self, text: str | AsyncIterable[str], voice: str | None = None, options: SpeakOptions | None = None
+    ) -> SpeechHandle:
         """Queue an utterance of a whole text or of an async stream of text deltas."""
         self.check(text, voice)
         if len(self._by_id) >= self.max_queued:
@@ -125,6 +175,7 @@ class SpeechQueue:
             )
         self._check_engine_room()
         handle = SpeechHandle(uuid.uuid4().hex[:12], voice, self._loop.time())
+        handle.options = options or None
         self._by_id[handle.utterance_id] = handle
         self._queue.append(handle)
         self.emit({"type": "speech.queued", "utterance_id": handle.utterance_id})
@@ -206,9 +257,14 @@ class SpeechQueue:
             if handle.finished:
                 continue
             try:
-                self.engine.open_utterance(
-                    handle.voice, self.sink, self._on_engine_event, handle.utterance_id
-                )
+                if handle.options:  # only then: engines without options keep the 4-argument call
+                    self.engine.open_utterance(
+                        handle.voice, self.sink, self._on_engine_event, handle.utterance_id, handle.options
+                    )
+                else:
+                    self.engine.open_utterance(
+                        handle.voice, self.sink, self._on_engine_event, handle.utterance_id
+                    )
             except VoiceRTCError as exc:
                 self.fail(handle, exc.code, str(exc))
                 continue

@@ -36,6 +36,7 @@ from voicertc.backends.cosyvoice2.hift_batch import vocode_batch
 from voicertc.backends.cosyvoice2.hift_stream import HiftStreamState
 from voicertc.backends.cosyvoice2.llm_batch import KVSlot, SlotKV, decode_batch
 from voicertc.backends.cosyvoice2.loader import CosyVoice2Model, load
+from voicertc.backends.cosyvoice2.modes import llm_prompt
 from voicertc.backends.cosyvoice2.sampling import SamplingMode
 from voicertc.backends.cosyvoice2.text import text_normalize
 from voicertc.backends.cosyvoice2.token2wav import Chunk, Token2WavStream
@@ -152,12 +153,17 @@ class CosyVoice2Backend:
 
     # ---- BatchBackend protocol ----------------------------------------------------------------
 
+    features = frozenset({"instruct"})  # speak options this backend honours (speed: never, it streams)
+
     def begin(self, utt: Utterance[Cv2State]) -> Cv2State:
         voice = self.book.get(utt.voice)
+        options = getattr(utt, "options", None)
+        prompt = llm_prompt(voice, getattr(options, "instruct", ""), self.model.text_frontend.encode)
         seed = self._seed(utt.utterance_id)
         self._active[utt.utterance_id] = utt
         return Cv2State(
             voice=voice,
+            prompt=prompt,
             llm_generator=torch.Generator(self.model.device).manual_seed(seed),
             hift_generator=torch.Generator().manual_seed(seed + 1),
         )
@@ -247,9 +253,8 @@ class CosyVoice2Backend:
             st.segment_texts = deque(p for _, p in encoded)
         else:
             if st.bistream is None:
-                voice = st.voice
                 st.bistream = BistreamSession.start(
-                    self.model.llm, voice.prompt_text_tokens, voice.llm_prompt_tokens,
+                    self.model.llm, st.prompt.text_ids, st.prompt.speech_ids,
                     sampling=self.options.sampling, generator=st.llm_generator, kv=self.kv.acquire(),
                 )  # fmt: skip
                 st.t2w = self._open_t2w(st)
@@ -284,8 +289,9 @@ class CosyVoice2Backend:
             st.t2w.release()
         voice = st.voice
         st.llm = self.model.llm.prefill(
-            st.segments.popleft(), voice.prompt_text_tokens, voice.llm_prompt_tokens,
-            sampling=self.options.sampling, generator=st.llm_generator, prefix=voice.prefix,
+            st.segments.popleft(), st.prompt.text_ids, st.prompt.speech_ids,
+            sampling=self.options.sampling, generator=st.llm_generator,
+            prefix=voice.prefix if st.prompt.text_ids == voice.prefix.prompt_text_tokens else None,
             kv=self.kv.acquire(),
         )  # fmt: skip
         if self.options.max_segment_tokens is not None:

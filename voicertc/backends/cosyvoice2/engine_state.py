@@ -26,6 +26,7 @@ from torch import Tensor
 from voicertc.backends.cosyvoice2.bistream import BistreamSession
 from voicertc.backends.cosyvoice2.llm import LlmSession
 from voicertc.backends.cosyvoice2.llm_batch import KVSlot
+from voicertc.backends.cosyvoice2.modes import LlmPrompt
 from voicertc.backends.cosyvoice2.text import SentenceStream
 from voicertc.backends.cosyvoice2.token2wav import ChunkPlan, Token2WavStream
 from voicertc.backends.cosyvoice2.voices import Voice
@@ -53,6 +54,7 @@ class Cv2State:
     """
 
     voice: Voice
+    prompt: LlmPrompt  # the LLM prompt parts of this utterance's mode (modes.py)
     llm_generator: torch.Generator
     hift_generator: torch.Generator
     mode: TextMode | None = None

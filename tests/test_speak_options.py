@@ -48,7 +48,7 @@ async def test_embedding_say_refuses_too():
         call_id, _peer = await open_call(client)
         from signaling.routes import REGISTRY
 
-        call = AgentCall(client.server.app[REGISTRY].get(call_id))
+        call = AgentCall(client.server.app[REGISTRY].calls[call_id])
         with pytest.raises(InputError, match="instruct is not supported"):
             call.say("Hi.", instruct="Whisper.")
         with pytest.raises(InputError, match="non-streaming"):

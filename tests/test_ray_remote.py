@@ -77,12 +77,16 @@ def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[None]:
     try:
         serve.start(proxy_location="Disabled")
         fake = fake_config(fake=FAKE, ray={"num_replicas": 2, "num_cpus": 0.5})
-        serve.run(build_app(fake), name=FAKE_APP, route_prefix=None)
         cv2 = fake_config(
             engine={"backend": "cosyvoice2", "model_dir": str(speaking_dir), "voices_dir": ""},
             ray={"num_replicas": 1, "num_cpus": 0.5},
         )
-        serve.run(build_app(cv2), name=CV2_APP, route_prefix=None)
+        serve.run_many(  # both apps' replicas start at once
+            [
+                serve.RunTarget(build_app(fake), name=FAKE_APP, route_prefix=None),
+                serve.RunTarget(build_app(cv2), name=CV2_APP, route_prefix=None),
+            ]
+        )
         yield
     finally:
         with contextlib.suppress(Exception):

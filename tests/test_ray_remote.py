@@ -15,6 +15,7 @@ import secrets
 import signal
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -57,7 +58,8 @@ def front_end(app: str, **sections: dict[str, Any]) -> Config:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[None]:
+def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[Path]:
+    """Yields the speaking tiny CosyVoice2 directory the cv2 app runs."""
     speaking_dir = make_tiny_model_dir(tmp_path_factory.mktemp("cv2_speak"), checkpoints_from=tiny_model_dir)
     """A local Ray cluster on 127.0.0.1 with the two engine apps; torn down after the module."""
     token = tmp_path_factory.mktemp("ray") / "auth_token"
@@ -87,7 +89,7 @@ def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[None]:
                 serve.RunTarget(build_app(cv2), name=CV2_APP, route_prefix=None),
             ]
         )
-        yield
+        yield speaking_dir
     finally:
         with contextlib.suppress(Exception):
             serve.shutdown()
@@ -338,6 +340,29 @@ async def test_a_killed_replica_fails_its_utterance_and_the_next_one_moves(clust
             next_uid = eng.say(None, sink, after, "Still here.")
             assert isinstance(await after.terminal(), Done), after.events
             assert eng.replicas[next_uid] != victim
+
+
+@pytest.mark.gpu
+async def test_two_cosyvoice2_replicas_share_one_gpu(cluster):
+    """Fractional GPUs: two replicas of num_gpus = 0.5 on one device, both speak (GPU only)."""
+    config = fake_config(
+        engine={"backend": "cosyvoice2", "model_dir": str(cluster), "voices_dir": "", "device": "cuda"},
+        ray={"num_replicas": 2, "num_gpus": 0.5, "num_cpus": 0.5},
+    )
+    await asyncio.to_thread(serve.run, build_app(config), name="voicertc-cv2-gpu", route_prefix=None)
+    try:
+        with remote("voicertc-cv2-gpu") as eng:
+            async with played_ring() as (_r1, sink1), played_ring() as (_r2, sink2):
+                listeners = [Listener(), Listener()]
+                uids = [
+                    eng.say(None, sink, lis, "Hello.")
+                    for sink, lis in zip((sink1, sink2), listeners, strict=True)
+                ]
+                for lis in listeners:
+                    assert isinstance(await lis.terminal(60.0), Done), lis.events
+            assert len({eng.replicas[uid] for uid in uids}) == 2
+    finally:
+        await asyncio.to_thread(serve.delete, "voicertc-cv2-gpu")
 
 
 async def test_http_front_end_location_and_503_while_the_engine_is_gone(cluster):

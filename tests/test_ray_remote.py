@@ -194,6 +194,7 @@ async def test_an_aiortc_call_speaks_through_a_remote_replica(engine):
         await asyncio.sleep(0.3)  # frames in flight
         assert rms(client.audio()) > 0.05
         assert engine.replicas[handle.utterance_id]
+        assert not engine.supports("instruct")
     finally:
         await client.close()
         await call.close("test over")
@@ -206,6 +207,7 @@ async def test_the_tiny_cosyvoice2_replica_speaks(cluster):
             eng.say(None, sink, listener, "Hello.")
             event = await listener.terminal(60.0)
             assert isinstance(event, Done), listener.events
+            assert eng.supports("instruct")  # the replicas' backend features reach the front-end
             assert event.audio_ms > 0
             assert any(isinstance(e, FirstAudio) for e in listener.events)
 

@@ -45,6 +45,7 @@ from voicertc.engine.protocol import (
     EventCallback,
     Failed,
     FirstAudio,
+    SpeakOptions,
 )
 from voicertc.errors import EngineUnavailableError, InputError, UnknownVoiceError
 from voicertc.remote import affinity
@@ -75,6 +76,7 @@ class _Utterance:
     on_event: EventCallback
     generation: int
     session: str
+    options: SpeakOptions
     outbox: list[str] = field(default_factory=list)
     text_chars: int = 0
     input_ended: bool = False
@@ -122,6 +124,7 @@ class RemoteEngine:
         self._utts: dict[str, _Utterance] = {}  # client loop only
         self._sessions: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self._voices: list[str] = []
+        self._features: frozenset[str] = frozenset()
         self._available = False
         self._unavailable_reason = "the remote engine is not started"
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -149,6 +152,7 @@ class RemoteEngine:
             self.stop()
             raise
         self._voices = list(info.get("voices", []))
+        self._features = frozenset(info.get("features", ()))
         self._set_available(True)
         self._health = self._call(self._start_health(), timeout_s=5.0)
         logger.info(
@@ -223,8 +227,17 @@ class RemoteEngine:
 
     # --- the Engine seam (any thread) ----------------------------------------------------------------
 
+    def supports(self, feature: str) -> bool:
+        """Whether the replicas honour a speak option ("instruct", "speed"), as their info says."""
+        return feature in self._features
+
     def open_utterance(
-        self, voice: str | None, sink: AudioSink, on_event: EventCallback, utterance_id: str | None = None
+        self,
+        voice: str | None,
+        sink: AudioSink,
+        on_event: EventCallback,
+        utterance_id: str | None = None,
+        options: SpeakOptions | None = None,
     ) -> str:
         resolved = self.resolve_voice(voice)
         uid = utterance_id or uuid.uuid4().hex[:12]
@@ -233,7 +246,7 @@ class RemoteEngine:
                 raise InputError(f"too many open utterances (limit {self._max_utterances})")
             self._open.add(uid)
             session = self._session_for(sink)
-        utt = _Utterance(uid, resolved, sink, on_event, sink.generation, session)
+        utt = _Utterance(uid, resolved, sink, on_event, sink.generation, session, options or SpeakOptions())
         self._post(self._begin, utt)
         return uid
 
@@ -333,10 +346,14 @@ class RemoteEngine:
             self._unavailable_reason = reason
 
     async def _shutdown(self) -> None:
-        if self._health is not None:
-            self._health.cancel()
+        tasks = [t for t in (self._health,) if t is not None]
         for utt in list(self._utts.values()):
+            tasks += [t for t in (utt.task, utt.control_task) if t is not None]
             self._finish(utt, Cancelled(utt.utterance_id))
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=2.0)  # let them unwind before the loop stops
 
     async def _report(self, replica: str, utterance_id: str) -> dict[str, Any] | None:
         result: dict[str, Any] | None = await self._handle.report.remote(
@@ -392,6 +409,8 @@ class RemoteEngine:
                 text=text,
                 end=utt.end_sent,
                 max_ahead_ms=self.max_ahead_ms,
+                instruct=utt.options.instruct,
+                speed=utt.options.speed,
             )
             opened = False
             while not utt.finished:

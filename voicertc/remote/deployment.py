@@ -32,7 +32,7 @@ import numpy as np
 from voicertc import __version__
 from voicertc.config import Config, config_from_dict, load_config
 from voicertc.engine.factory import create_engine
-from voicertc.engine.protocol import Cancelled, Done, EngineEvent, Failed, FirstAudio
+from voicertc.engine.protocol import Cancelled, Done, EngineEvent, Failed, FirstAudio, SpeakOptions
 from voicertc.errors import VoiceRTCError
 from voicertc.remote.wire import DEPLOYMENT_NAME, PROTOCOL, ROUTER_CLASS, Message, pcm_message
 
@@ -151,7 +151,12 @@ class EngineReplica:
             "voices": self.engine.voices(),
             "replica": self.replica_id,
             "open_utterances": len(self._sinks),
+            "features": sorted(f for f in ("instruct", "speed") if self._supports(f)),
         }
+
+    def _supports(self, feature: str) -> bool:
+        supports = getattr(self.engine, "supports", None)
+        return bool(supports(feature)) if supports is not None else False
 
     async def stream(
         self,
@@ -162,11 +167,17 @@ class EngineReplica:
         text: str = "",
         end: bool = False,
         max_ahead_ms: float = 2000.0,
+        instruct: str = "",
+        speed: float = 1.0,
     ) -> AsyncIterator[Message]:
         """One utterance: `open`, PCM pieces as they are made (within credit), one terminal event."""
         sink = StreamSink(asyncio.get_running_loop(), max_ahead_ms)
+        options = SpeakOptions(instruct=instruct, speed=speed)
         try:
-            self.engine.open_utterance(voice, sink, sink.on_event, utterance_id)
+            if options:
+                self.engine.open_utterance(voice, sink, sink.on_event, utterance_id, options)  # type: ignore[call-arg]
+            else:
+                self.engine.open_utterance(voice, sink, sink.on_event, utterance_id)
         except VoiceRTCError as exc:
             yield ("event", {"type": "failed", "code": exc.code, "message": str(exc)})
             return

@@ -147,6 +147,9 @@ async def _error_json(request: web.Request, handler: Handler) -> web.StreamRespo
         return error_response(exc.status, exc.code, exc.message, exc.headers)
     except EngineStoppedError as exc:
         return error_response(503, exc.code, str(exc))
+    except HttpProcessingError as exc:  # a body aiohttp could not parse (multipart framing, headers)
+        message = str(exc.message).splitlines()[0] if exc.message else "malformed request"
+        return error_response(400, "bad_request", f"malformed request: {message}")
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

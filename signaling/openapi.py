@@ -6,6 +6,7 @@ from typing import Any
 
 from signaling.openapi_voices import voice_paths, voice_schemas
 from voicertc.config import Config
+from voicertc.validate import UNSPEAKABLE_RANGES
 
 JSON = "application/json"
 
@@ -19,7 +20,15 @@ def _json(description: str, schema: dict[str, Any]) -> dict[str, Any]:
 
 
 CALL_ID = {"name": "call_id", "in": "path", "required": True, "schema": {"type": "string"}}
-UNKNOWN = _error("No such call (hung up, timed out, or never existed).")
+UNKNOWN = _error("No such call (hung up, timed out, never existed, or another token's call).")
+# Speakable text: no control characters but tab/newline/CR, no lone surrogates or BMP noncharacters,
+# and something besides whitespace (voicertc.validate.check_text; blank text is `bad_input`).
+TEXT_PATTERN = f"^[^\\S{UNSPEAKABLE_RANGES}]*[^\\s{UNSPEAKABLE_RANGES}][^{UNSPEAKABLE_RANGES}]*$"
+VOICE = {
+    "type": ["string", "null"],
+    "minLength": 1,
+    "description": "A voice id (GET /v1/voices); null = default.",
+}
 
 
 def _paths(config: Config) -> dict[str, Any]:
@@ -36,7 +45,7 @@ def _paths(config: Config) -> dict[str, Any]:
                 "requestBody": {
                     "required": True,
                     "content": {
-                        "application/sdp": {"schema": {"type": "string"}},
+                        "application/sdp": {"schema": {"type": "string", "minLength": 1}},
                         JSON: {"schema": {"$ref": "#/components/schemas/Offer"}},
                     },
                 },
@@ -51,10 +60,20 @@ def _paths(config: Config) -> dict[str, Any]:
                         },
                     },
                     "400": _error(
-                        "Malformed SDP (`bad_sdp`), no receivable audio (`no_audio`), bad JSON, "
-                        "unknown voice."
+                        "Malformed SDP, a malformed m-line or no usable DTLS fingerprint (`bad_sdp`), no "
+                        "receivable audio (`no_audio`), a body that is not UTF-8 (`bad_encoding`), bad JSON "
+                        "(`bad_json`), a bad or unknown voice (`bad_request`, `unknown_voice`)."
                     ),
                     "409": _error("The connection failed while the offer was answered (`call_closed`)."),
+                    "429": {
+                        **_error(
+                            f"{limits.max_pending_calls} calls of this token (of this client address without "
+                            "auth) have not connected yet (limits.max_pending_calls, "
+                            "`too_many_pending_calls`); an answered call must connect within "
+                            f"{config.webrtc.pending_timeout_s:g} s (webrtc.pending_timeout_s)."
+                        ),
+                        "headers": {"Retry-After": {"schema": {"type": "string"}}},
+                    },
                     "413": _error("SDP offer larger than 64 KiB (`sdp_too_large`)."),
                     "415": _error("Content-Type is neither application/sdp nor application/json."),
                     "503": _error(
@@ -76,11 +95,17 @@ def _paths(config: Config) -> dict[str, Any]:
                 "ICE restart (`If-Match: *`, or ICE credentials other than the offer's) is not supported "
                 "and answers 422.",
                 "requestBody": {
-                    "content": {"application/trickle-ice-sdpfrag": {"schema": {"type": "string"}}}
+                    "required": True,
+                    "content": {
+                        "application/trickle-ice-sdpfrag": {"schema": {"type": "string", "minLength": 1}}
+                    },
                 },
                 "responses": {
                     "204": {"description": "Candidates added."},
-                    "400": _error("A line that is not SDP or a candidate that does not parse."),
+                    "400": _error(
+                        "An empty fragment or a line that is not SDP (`bad_sdpfrag`), a candidate that does "
+                        "not parse (`bad_candidate`), a body that is not UTF-8 (`bad_encoding`)."
+                    ),
                     "404": UNKNOWN,
                     "413": _error("Fragment larger than 64 KiB (`sdp_too_large`)."),
                     "415": _error("Content-Type is not application/trickle-ice-sdpfrag."),
@@ -103,20 +128,35 @@ def _paths(config: Config) -> dict[str, Any]:
                 "(an `error` event, 400 here); the call stays up. A stream that sends no text for "
                 f"{limits.text_idle_timeout_s:g} s (limits.text_idle_timeout_s) fails with 408.",
                 "requestBody": {
+                    "required": True,
                     "content": {
                         JSON: {"schema": {"$ref": "#/components/schemas/Speak"}},
                         "application/x-ndjson": {"schema": {"type": "string"}},
-                    }
+                    },
                 },
                 "parameters": [
-                    {"name": "voice", "in": "query", "schema": {"type": "string"}},
-                    {"name": "interrupt", "in": "query", "schema": {"type": "boolean"}},
+                    {
+                        "name": "voice",
+                        "in": "query",
+                        "description": "NDJSON: the voice (JSON: the body's `voice` wins).",
+                        "schema": {"type": "string", "minLength": 1},
+                    },
+                    {
+                        "name": "interrupt",
+                        "in": "query",
+                        "description": "NDJSON: interrupt first (JSON: the body's `interrupt` wins).",
+                        "schema": {"type": "boolean"},
+                    },
                 ],
                 "responses": {
                     "202": _json(
                         "Queued.", {"type": "object", "properties": {"utterance_id": {"type": "string"}}}
                     ),
-                    "400": _error("Empty text, bad JSON, malformed NDJSON line, unknown voice."),
+                    "400": _error(
+                        "Blank text (`bad_input`), unspeakable text (`bad_text`: control characters, lone "
+                        "surrogates, noncharacters), bad JSON (`bad_json`), a malformed NDJSON line "
+                        "(`bad_ndjson`), a bad query value (`bad_request`), an unknown voice."
+                    ),
                     "404": UNKNOWN,
                     "408": _error("The NDJSON stream went silent (`text_idle_timeout`)."),
                     "413": _error(
@@ -124,10 +164,14 @@ def _paths(config: Config) -> dict[str, Any]:
                         "with far more bytes or lines than that (`ndjson_too_large`)."
                     ),
                     "415": _error("Content-Type is neither application/json nor application/x-ndjson."),
-                    "429": _error(
-                        f"{limits.max_queued_utterances} utterances are queued or playing on this call "
-                        "(limits.max_queued_utterances, `too_many_utterances`); see `Retry-After`."
-                    ),
+                    "429": {
+                        **_error(
+                            f"{limits.max_queued_utterances} utterances are queued or playing on this call "
+                            "(limits.max_queued_utterances, `too_many_utterances`), or the engine has "
+                            f"{limits.max_utterances} open (limits.max_utterances, `engine_busy`)."
+                        ),
+                        "headers": {"Retry-After": {"schema": {"type": "string"}}},
+                    },
                     "503": engine_stopped,
                 },
             },
@@ -179,24 +223,31 @@ def _paths(config: Config) -> dict[str, Any]:
         },
         "/healthz": {
             "get": {
-                "summary": "Liveness.",
+                "summary": "Liveness: `{status}` for anyone; with a valid token (or without auth) also the "
+                "engine, its voices and the calls the token sees.",
                 "responses": {
-                    "200": _json("OK.", {"type": "object"}),
-                    "503": _json("Engine stopped.", {"type": "object"}),
+                    "200": _json("OK.", {"$ref": "#/components/schemas/Health"}),
+                    "503": _json("Engine stopped.", {"$ref": "#/components/schemas/Health"}),
                 },
             }
         },
         "/metrics": {
             "get": {
                 "summary": "Prometheus text format: active calls, utterances, TTFA histogram, "
-                "underrun frames, interrupts, errors.",
-                "responses": {"200": {"description": "text/plain; version=0.0.4"}},
+                "underrun frames, interrupts, errors. Behind a token with `[auth] protect_metrics` (an "
+                "admin token when `[auth] admin_tokens` is set).",
+                "responses": {
+                    "200": {
+                        "description": "Prometheus text exposition, version 0.0.4.",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    }
+                },
             }
         },
     }
 
 
-def _schemas() -> dict[str, Any]:
+def _schemas(config: Config) -> dict[str, Any]:
     string = {"type": "string"}
     return {
         "Error": {
@@ -213,7 +264,21 @@ def _schemas() -> dict[str, Any]:
         "Offer": {
             "type": "object",
             "required": ["sdp", "type"],
-            "properties": {"sdp": string, "type": {"const": "offer"}, "voice": string},
+            "properties": {
+                "sdp": {"type": "string", "minLength": 1},
+                "type": {"const": "offer"},
+                "voice": VOICE,
+            },
+        },
+        "Health": {
+            "type": "object",
+            "required": ["status"],
+            "properties": {
+                "status": {"enum": ["ok", "engine_stopped"]},
+                "engine": string,
+                "voices": {"type": "array", "items": string},
+                "active_calls": {"type": "integer", "minimum": 0},
+            },
         },
         "Answer": {
             "type": "object",
@@ -232,8 +297,15 @@ def _schemas() -> dict[str, Any]:
             "type": "object",
             "required": ["text"],
             "properties": {
-                "text": string,
-                "voice": string,
+                "text": {
+                    "type": "string",
+                    "minLength": 1,
+                    "maxLength": config.limits.max_text_chars,
+                    "pattern": TEXT_PATTERN,
+                    "description": "Speakable text: not blank; no control characters but tab, newline and "
+                    "carriage return; no lone surrogates or noncharacters (else `bad_text`).",
+                },
+                "voice": VOICE,
                 "interrupt": {"type": "boolean"},
                 "instruct": {
                     "type": "string",
@@ -278,6 +350,26 @@ def _schemas() -> dict[str, Any]:
     }
 
 
+def _secured(paths: dict[str, Any], config: Config) -> dict[str, Any]:
+    """/v1 operations answer 401/403 under auth; /healthz and /readyz are public; /metrics is guarded
+    only with `[auth] protect_metrics`."""
+    unauthorized = _error("No bearer token (`unauthorized`; `[auth]` tokens are set).")
+    forbidden = _error("A token that is not accepted here (`forbidden`).")
+    for path, item in paths.items():
+        guarded = path.startswith("/v1/") or (path == "/metrics" and config.auth.protect_metrics)
+        for method, operation in item.items():
+            if method == "parameters":
+                continue
+            if guarded:
+                operation["responses"].setdefault("401", unauthorized)
+                operation["responses"].setdefault("403", forbidden)
+                if path == "/metrics":
+                    operation["security"] = [{"bearer": []}]
+            else:
+                operation["security"] = []
+    return paths
+
+
 def openapi_spec(config: Config) -> dict[str, Any]:
     bearer = {"bearer": {"type": "http", "scheme": "bearer"}}
     return {
@@ -288,7 +380,7 @@ def openapi_spec(config: Config) -> dict[str, Any]:
             "description": "Real-time WebRTC text-to-speech calls. With `[auth] tokens` set, every /v1 "
             "request needs `Authorization: Bearer <token>` (401 without, 403 wrong).",
         },
-        "paths": {**_paths(config), **voice_paths(config)},
-        "components": {"schemas": {**_schemas(), **voice_schemas()}, "securitySchemes": bearer},
-        "security": [{"bearer": []}] if config.auth.tokens else [],
+        "paths": _secured({**_paths(config), **voice_paths(config)}, config),
+        "components": {"schemas": {**_schemas(config), **voice_schemas()}, "securitySchemes": bearer},
+        "security": [{"bearer": []}] if config.auth.enabled else [],
     }

@@ -76,6 +76,15 @@ def _query_bool(request: web.Request, name: str) -> bool:
 _BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
 
 
+def _voice(value: Any, what: str = '"voice"') -> str | None:
+    """A voice id: absent/null means the default; anything else must be a non-empty string."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ApiError(400, "bad_request", f"{what} must be a non-empty string (a voice id) or absent")
+    return value
+
+
 def _unsupported(request: web.Request, accepted: str) -> ApiError:
     got = request.content_type or "none"
     return ApiError(415, "unsupported_media_type", f"Content-Type {got!r} not accepted here; use {accepted}")
@@ -92,8 +101,7 @@ async def create_call(request: web.Request) -> web.Response:
             raise ApiError(400, "bad_sdp", 'JSON body needs "type": "offer"')
         if not isinstance(offer, str):
             raise ApiError(400, "bad_sdp", 'JSON body needs "sdp": the offer as a string')
-        if voice is not None and not isinstance(voice, str):
-            raise ApiError(400, "bad_request", '"voice" must be a string')
+        voice = _voice(voice)
     else:
         raise _unsupported(request, "application/sdp or application/json")
     check_offer(offer)
@@ -125,7 +133,10 @@ async def trickle(request: web.Request) -> web.Response:
         raise _unsupported(request, SDPFRAG)
     if request.headers.get("If-Match") == "*":
         raise ApiError(422, "ice_restart_unsupported", "ICE restart is not supported: start a new call")
-    frag = parse_sdpfrag(await _text_body(request, "SDP fragment"))
+    body = await _text_body(request, "SDP fragment")
+    if not body.strip():
+        raise ApiError(400, "bad_sdpfrag", "empty SDP fragment: send candidates or a=end-of-candidates")
+    frag = parse_sdpfrag(body)
     check_not_restart(frag, call.remote_ice)
     await call.add_remote_candidates(frag.candidates, end=frag.end)
     return web.Response(status=204)
@@ -140,22 +151,30 @@ async def hang_up(request: web.Request) -> web.Response:
 
 @routes.post("/v1/calls/{call_id}/speak")
 async def speak(request: web.Request) -> web.Response:
-    call = _call(request)
+    """The request is checked whole (query, body, text) before the call is looked up: what a bad
+    request gets does not depend on whether the call exists."""
+    voice = _voice(request.query.get("voice"), "query parameter 'voice'")
+    interrupt = _query_bool(request, "interrupt")
     if request.content_type == NDJSON:
-        return await _speak_stream(request, call)
+        return await _speak_stream(request, _call(request), voice, interrupt)
     if request.content_type != "application/json":
         raise _unsupported(request, f"application/json or {NDJSON}")
     body = await _json_body(request)
-    text, voice, interrupt = body.get("text"), body.get("voice"), body.get("interrupt", False)
+    text = body.get("text")
+    voice = _voice(body["voice"]) if "voice" in body else voice
+    interrupt = body.get("interrupt", interrupt)
     if not isinstance(text, str) or not text.strip():
         raise ApiError(400, "bad_input", '"text" must be a non-empty string')
-    limit = call.config.limits.max_text_chars
+    limit = _registry(request).config.limits.max_text_chars
     if len(text) > limit:
         raise ApiError(413, "text_too_long", f"text has {len(text)} characters; the limit is {limit}")
-    if voice is not None and not isinstance(voice, str):
-        raise ApiError(400, "bad_request", '"voice" must be a string')
+    try:
+        check_text(text)
+    except BadTextError as exc:
+        raise ApiError(400, exc.code, str(exc)) from None
     if not isinstance(interrupt, bool):
         raise ApiError(400, "bad_request", '"interrupt" must be true or false')
+    call = _call(request)
     if voice:
         _registry(request).check_voice(voice)
     mode = {"instruct": body.get("instruct"), "speed": body.get("speed")}  # checked by call.speak
@@ -241,13 +260,11 @@ STREAM_ERRORS = {
 }
 
 
-async def _speak_stream(request: web.Request, call: Call) -> web.Response:
+async def _speak_stream(request: web.Request, call: Call, voice: str | None, interrupt: bool) -> web.Response:
     """Stream NDJSON deltas into one utterance; answer when the body ends (202) or breaks (4xx).
 
     The utterance id is known at once: it goes out as `speech.queued` on the data channel and SSE.
     """
-    voice = request.query.get("voice") or None
-    interrupt = _query_bool(request, "interrupt")
     if voice:
         _registry(request).check_voice(voice)
     mode: dict[str, Any] = {"instruct": request.query.get("instruct")}

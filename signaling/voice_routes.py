@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from typing import Any
 
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from signaling.errors import ApiError
 from signaling.voice_admin import NotSupportedError, VoiceAdmin
 from voicertc.audio.decode import AudioError
 from voicertc.errors import InputError, UnknownVoiceError
+from voicertc.validate import BadJsonError, BadTextError, check_text, parse_json
 
 VOICES = web.AppKey("voices", VoiceAdmin)
 FIELD_MAX_CHARS = 64 * 1024  # transcript / id / name form fields
@@ -36,6 +37,14 @@ def _too_large(limit: int) -> ApiError:
 
 
 async def _read_multipart(request: web.Request, limit: int) -> dict[str, Any]:
+    try:
+        return await _multipart_fields(request, limit)
+    except (ValueError, UnicodeDecodeError, LookupError, HttpProcessingError) as exc:
+        # no boundary, a broken part or part header, an unknown charset
+        raise ApiError(400, "bad_multipart", f"malformed multipart body: {exc}") from None
+
+
+async def _multipart_fields(request: web.Request, limit: int) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     reader = await request.multipart()
     while (part := await reader.next()) is not None:
@@ -68,9 +77,9 @@ async def _read_json(request: web.Request, limit: int) -> dict[str, Any]:
         if len(raw) > body_max:
             raise _too_large(limit)
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, "bad_json", f"request body is not valid JSON: {exc}") from exc
+        body = parse_json(bytes(raw), "request body")
+    except BadJsonError as exc:
+        raise ApiError(400, exc.code, str(exc)) from None
     if not isinstance(body, dict):
         raise ApiError(400, "bad_json", "request body must be a JSON object")
     audio = body.get("audio")
@@ -93,6 +102,10 @@ def _optional_str(fields: dict[str, Any], key: str) -> str | None:
         return None
     if not isinstance(value, str):
         raise ApiError(400, "bad_request", f'"{key}" must be a string')
+    try:
+        check_text(value, f'"{key}"')
+    except BadTextError as exc:
+        raise ApiError(400, exc.code, str(exc)) from None
     return value.strip() or None
 
 
@@ -105,7 +118,10 @@ async def register_voice(request: web.Request) -> web.Response:
     elif request.content_type == "application/json":
         fields = await _read_json(request, limit)
     elif request.content_type == "application/x-www-form-urlencoded":  # a form without a file part
-        fields = {k: v for k, v in (await request.post()).items() if k != "audio"}
+        try:
+            fields = {k: v for k, v in (await request.post()).items() if k != "audio"}
+        except (ValueError, UnicodeDecodeError, LookupError) as exc:
+            raise ApiError(400, "bad_request", f"malformed form body: {exc}") from None
     else:
         got = request.content_type or "none"
         raise ApiError(

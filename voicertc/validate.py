@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import json
 import re
-import unicodedata
 from typing import Any
 
 import numpy as np
 
 from voicertc.errors import InputError
 
+# Control characters other than tab, newline and carriage return; lone surrogates; the BMP's
+# noncharacters. Also the OpenAPI `pattern` of speakable text (signaling.openapi).
+UNSPEAKABLE_RANGES = r"\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff\ufdd0-\ufdef\ufffe\uffff"
+_UNSPEAKABLE = re.compile(f"[{UNSPEAKABLE_RANGES}]")
 MAX_JSON_DEPTH = 32  # the API's bodies are flat objects; deeper nesting is refused before parsing
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_WHITESPACE_CONTROLS = frozenset("\t\n\v\f\r\x1c\x1d\x1e\x1f\x85")
 
 
 class BadTextError(InputError):
@@ -32,27 +34,12 @@ class BadJsonError(InputError):
     code = "bad_json"
 
 
-def _unspeakable(char: str) -> bool:
-    category = unicodedata.category(char)
-    if category == "Cc":
-        return char not in _WHITESPACE_CONTROLS
-    if category == "Cs":
-        return True  # a lone surrogate (a pair would have decoded to one code point)
-    point = ord(char)
-    return 0xFDD0 <= point <= 0xFDEF or (point & 0xFFFE) == 0xFFFE  # Unicode noncharacters
-
-
-_SUSPECT = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff\ufdd0-\ufdef\ufffe\uffff]|[\U0001fffe-\U0010ffff]")
-
-
 def check_text(text: str, what: str = "text") -> None:
     """Raise BadTextError naming the first unspeakable character of `text` and where it is."""
-    for match in _SUSPECT.finditer(text):
-        char = match.group()
-        if _unspeakable(char):
-            raise BadTextError(
-                f"{what} has an unspeakable character U+{ord(char):04X} at index {match.start()}"
-            )
+    if match := _UNSPEAKABLE.search(text):
+        raise BadTextError(
+            f"{what} has an unspeakable character U+{ord(match.group()):04X} at index {match.start()}"
+        )
 
 
 def json_depth(raw: bytes) -> int:

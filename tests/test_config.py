@@ -46,6 +46,7 @@ def test_values_are_read_and_typed(tmp_path):
         ("[engine]\nbackend = 'cosyvoice2'\nmodel_dir = 'm'\nworkers = 2\n", "engine.workers"),
         ("[schedule]\nmax_hop_tokens = 10\n", "schedule.max_hop_tokens"),
         ("[schedule]\ngrid_tokens = -25\n", "schedule.grid_tokens"),
+        ("[schedule]\nfinal_chunk = 'full'\n", "schedule.final_chunk"),
         ("[webrtc]\ntrim_leading_silence_ms = -1\n", "webrtc.trim_leading_silence_ms"),
         ("[auth]\ntokens = [1]\n", "auth.tokens"),
         ("[server]\nuse_uvloop = 1\n", "server.use_uvloop"),

@@ -117,6 +117,7 @@ class ScheduleConfig:
     max_hop_tokens: int = 100
     lookahead_tokens: int = 3
     grid_tokens: int = 0
+    final_chunk: str = "chunk_mask"
 
     def validate(self) -> None:
         _check(self.first_hop_tokens >= 1, "schedule.first_hop_tokens", "must be >= 1")
@@ -126,6 +127,8 @@ class ScheduleConfig:
             self.max_hop_tokens >= self.first_hop_tokens, "schedule.max_hop_tokens", "must be >= first hop"
         )
         _check(self.lookahead_tokens >= 0, "schedule.lookahead_tokens", "must be >= 0")
+        modes = ("chunk_mask", "reference")
+        _check(self.final_chunk in modes, "schedule.final_chunk", f"must be one of {', '.join(modes)}")
 
 
 @dataclass(frozen=True)

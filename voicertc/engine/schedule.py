@@ -9,11 +9,19 @@ its end lands there. With `grid_tokens` set (the flow's 25-token chunk), `first_
 least number of new tokens of the first chunk instead, whose end is the next grid point: e.g. 13
 (at least 0.52 s of audio) starts speech after 13..37 tokens instead of the reference's 25..49.
 The mel is the same either way (chunk ends on the grid, same masks); only the split differs.
+
+`final_chunk` says how the last chunk of an utterance is computed: "chunk_mask" (ours: the chunk
+masks stay, O(1) per chunk and consistent with the streamed chunks) or "reference" (the official loop:
+the whole utterance again with full attention, whose frames after the emitted ones are the last chunk).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+FinalChunk = Literal["chunk_mask", "reference"]
+FINAL_CHUNK_MODES: tuple[FinalChunk, ...] = ("chunk_mask", "reference")
 
 
 @dataclass(frozen=True)
@@ -23,6 +31,7 @@ class ChunkSchedule:
     max_hop_tokens: int = 100
     lookahead_tokens: int = 3
     grid_tokens: int | None = None  # None: the first hop is the grid (the reference)
+    final_chunk: FinalChunk = "chunk_mask"
 
     def __post_init__(self) -> None:
         if self.first_hop_tokens < 1:
@@ -35,6 +44,8 @@ class ChunkSchedule:
             raise ValueError("lookahead_tokens must be >= 0")
         if self.grid_tokens is not None and self.grid_tokens < 1:
             raise ValueError("grid_tokens must be >= 1 (or None)")
+        if self.final_chunk not in FINAL_CHUNK_MODES:
+            raise ValueError(f"final_chunk must be one of {', '.join(FINAL_CHUNK_MODES)}")
 
     @property
     def grid(self) -> int:

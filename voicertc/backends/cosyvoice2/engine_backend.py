@@ -370,6 +370,8 @@ class CosyVoice2Backend:
 
     def _flow_group(self, group: Sequence[Cv2Job]) -> list[StepResult]:
         final = bool(getattr(group[0].work, "final", False))
+        if final and self.schedule.final_chunk == "reference" and len(group) > 1:
+            return [r for job in group for r in self._flow_group([job])]  # a whole-utterance recompute each
         try:
             t2ws = [self._t2w(job) for job in group]
             plans = [t2w.plan(final=final) for t2w in t2ws]
@@ -382,11 +384,15 @@ class CosyVoice2Backend:
         try:
             if any(p is None for p in plans):
                 raise RuntimeError("flow chunk planned but not ready")
-            mels = self.model.flow.stream_step_batch(
-                [p.new_tokens for p in plans],
-                [t.flow_state for t in t2ws],
-                finalize=final,  # type: ignore[union-attr,misc]
-            )
+            if final and self.schedule.final_chunk == "reference":
+                assert plans[0] is not None
+                mels = [t2ws[0].flow_mel(plans[0])]
+            else:
+                mels = self.model.flow.stream_step_batch(
+                    [p.new_tokens for p in plans],
+                    [t.flow_state for t in t2ws],
+                    finalize=final,  # type: ignore[union-attr,misc]
+                )
         except Exception as exc:  # noqa: BLE001 - retried alone below (or the lone member fails)
             if len(group) == 1:
                 return [exc]
@@ -497,6 +503,7 @@ def create_backend(config: Config) -> CosyVoice2Backend:
         max_hop_tokens=s.max_hop_tokens,
         lookahead_tokens=s.lookahead_tokens,
         grid_tokens=s.grid_tokens or None,
+        final_chunk=s.final_chunk,  # type: ignore[arg-type]
     )
     backend = CosyVoice2Backend(model, schedule, engine.voices_dir or None)
     backend.warm_up()

@@ -73,6 +73,7 @@ class Token2WavStream:
     generator: torch.Generator | None = None
     source_fn: SourceFn | None = None
     pcm_to_host: HostCopy = host_copy
+    reference_prompt: tuple[Tensor, Tensor, Tensor] | None = None  # flow prompt (tokens, feat, embedding)
     hift_state: HiftStreamState | None = field(default_factory=init_hift_stream_state)
     tokens: list[int] = field(default_factory=list)  # every generated token pushed so far
     emitted_tokens: int = 0  # tokens whose mel has been emitted
@@ -148,10 +149,25 @@ class Token2WavStream:
 
     def run(self, plan: ChunkPlan) -> Chunk:
         """Flow + vocoder for one planned chunk (unbatched)."""
-        assert self.flow_state is not None
         started = time.perf_counter()
-        mel = self.flow.stream_step(plan.new_tokens, self.flow_state, finalize=plan.final)
+        mel = self.flow_mel(plan)
         return self.complete(plan, mel, time.perf_counter() - started)
+
+    def flow_mel(self, plan: ChunkPlan) -> Tensor:
+        """The flow's mel for `plan` alone; a final chunk with `final_chunk = "reference"` recomputes the
+        whole utterance with full attention (the official last call) and keeps its new frames."""
+        assert self.flow_state is not None
+        if plan.final and self.schedule.final_chunk == "reference":
+            if self.reference_prompt is None:
+                raise ValueError("final_chunk 'reference' needs the voice's flow prompt (reference_prompt)")
+            prompt_tokens, prompt_feat, embedding = self.reference_prompt
+            tokens = torch.tensor([self.tokens], dtype=torch.long)
+            full = self.flow.infer(
+                tokens, prompt_tokens, prompt_feat, embedding, streaming=False, finalize=True
+            )
+            self.flow_state.finished = True
+            return full[:, :, 2 * self.emitted_tokens :]
+        return self.flow.stream_step(plan.new_tokens, self.flow_state, finalize=plan.final)
 
     def complete(self, plan: ChunkPlan, mel: Tensor, flow_s: float = 0.0) -> Chunk:
         """Vocode the flow's mel for `plan` and advance the stream (after a batched flow step too)."""

@@ -34,7 +34,10 @@ VOICE = {
 def _paths(config: Config) -> dict[str, Any]:
     limit = config.limits.max_text_chars
     limits = config.limits
-    engine_stopped = _error("The engine is not running (`engine_stopped`).")
+    engine_stopped = _error(
+        "The engine is not running (`engine_stopped`), or a remote engine is out of reach "
+        "(`engine_unavailable`, with `Retry-After`; the call stays up)."
+    )
     return {
         "/v1/calls": {
             "post": {
@@ -51,7 +54,8 @@ def _paths(config: Config) -> dict[str, Any]:
                 },
                 "responses": {
                     "201": {
-                        "description": "Call created. `Location: /v1/calls/{id}`. Body: the SDP answer "
+                        "description": "Call created. `Location: /v1/calls/{id}` (prefixed with "
+                        "`server.public_url` when set: the front-end holding the call). Body: the SDP answer "
                         "(application/sdp) or `{id, sdp, type: answer}` (JSON), matching the request.",
                         "headers": {"Location": {"schema": {"type": "string"}}},
                         "content": {

@@ -76,6 +76,23 @@ def test_bad_values_name_the_key(tmp_path, text, key):
 def test_the_in_process_server_never_imports_ray():
     code = (
         "import sys; from voicertc.config import Config; from voicertc.engine.factory import create_engine;"
-        "import signaling.app; create_engine(Config()); assert 'ray' not in sys.modules, 'ray imported'"
+        "import signaling.app, signaling.cli; signaling.cli.build_parser(); create_engine(Config());"
+        "assert 'ray' not in sys.modules, 'ray imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_engine_serve_flags_override_the_config(tmp_path):
+    from signaling.cli import build_parser
+    from voicertc.remote.cli import engine_serve_config
+
+    path = write(tmp_path, '[ray]\naddress = "10.0.0.1:6379"\n')
+    args = build_parser().parse_args(
+        ["engine-serve", "--config", str(path), "--model", "fake", "--replicas", "3", "--num-gpus", "0.25"]
+    )
+    config = engine_serve_config(args)
+    assert config.engine.remote and config.engine.model_name == "fake"
+    assert (config.ray.address, config.ray.num_replicas, config.ray.num_gpus) == ("10.0.0.1:6379", 3, 0.25)
+    bad = build_parser().parse_args(["engine-serve", "--config", str(path), "--replicas", "0"])
+    with pytest.raises(ConfigError, match="ray.num_replicas"):
+        engine_serve_config(bad)

@@ -149,9 +149,9 @@ class Listener:
 
 
 @contextlib.asynccontextmanager
-async def played_ring(read: bool = True):
+async def played_ring(read: bool = True, high_water_ms: float = 4000):
     """A call's ring and sink, read at playout pace (20 ms frames) unless `read` is False."""
-    ring = PcmRing(high_water_ms=4000)
+    ring = PcmRing(high_water_ms=high_water_ms)
     sink = RingSink(ring)
 
     async def playout() -> None:
@@ -277,6 +277,17 @@ async def test_front_end_memory_stays_bounded_when_nobody_reads(engine):
         assert isinstance(await listener.terminal(), Cancelled)
     report = await _report(engine, uid)
     assert report["sent_ms"] <= 1100, report
+
+
+async def test_audio_beyond_the_ring_waits_for_room_then_completes(cluster):
+    """The replica may finish while the front-end still holds audio the ring has no room for."""
+    with remote(engine={"max_ahead_ms": 4000}) as eng:
+        async with played_ring(high_water_ms=500) as (_ring, sink):
+            listener = Listener()
+            eng.say(None, sink, listener, "A sentence of about two seconds.")
+            event = await listener.terminal()
+            assert isinstance(event, Done), listener.events
+            assert event.audio_ms == pytest.approx(32 * 65, rel=0.1)
 
 
 # --- faults -------------------------------------------------------------------------------------------

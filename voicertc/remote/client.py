@@ -413,7 +413,7 @@ class RemoteEngine:
                 speed=utt.options.speed,
             )
             opened = False
-            while not utt.finished:
+            while not utt.finished and utt.done is None:  # after "done", only the ring may hold it up
                 if next_message is None:
                     next_message = asyncio.ensure_future(utt.gen.__anext__())
                 timeout_s = self.ray.stall_timeout_s if opened else self.ray.open_timeout_s

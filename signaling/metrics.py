@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from voicertc.engine.batch_stats import BATCH_SIZE_BUCKETS, BatchStats
 from voicertc.engine.step_stats import StepStats
 
 CALL_COUNTERS = {
@@ -62,6 +63,7 @@ class Metrics:
     active_calls: Callable[[], int] = lambda: 0
     live_calls: Callable[[], dict[str, int]] = lambda: {}  # the same counters summed over open calls
     engine_steps: Callable[[], StepStats | None] = lambda: None  # the engine's step times, if it keeps them
+    engine_batches: Callable[[], BatchStats | None] = lambda: None  # the scheduler's batches (if kept)
 
     def add_closed(self, counters: dict[str, int]) -> None:
         for name, value in counters.items():
@@ -116,6 +118,9 @@ class Metrics:
         steps = self.engine_steps()
         if steps is not None:
             self._render_steps(lines, metric, steps)
+        batches = self.engine_batches()
+        if isinstance(batches, BatchStats):
+            self._render_batches(lines, metric, batches)
         return "\n".join(lines) + "\n"
 
     @staticmethod
@@ -140,6 +145,36 @@ class Metrics:
             "counter",
             "Engine steps longer than engine.max_step_ms.",
             [({}, steps.over_budget)],
+        )
+
+    @staticmethod
+    def _render_batches(lines: list[str], metric: Callable[..., None], stats: BatchStats) -> None:
+        name = "voicertc_engine_batch_size"
+        lines.append(f"# HELP {name} Units the scheduler ran as one batch, per stage (decode, flowchunk...).")
+        lines.append(f"# TYPE {name} histogram")
+        for stage, b in sorted(stats.stages.items()):
+            for bound, count in zip(BATCH_SIZE_BUCKETS, b.counts, strict=True):
+                lines.append(f'{name}_bucket{{stage="{stage}",le="{bound}"}} {count}')
+            lines.append(f'{name}_bucket{{stage="{stage}",le="+Inf"}} {b.batches}')
+            lines.append(f'{name}_sum{{stage="{stage}"}} {b.units}')
+            lines.append(f'{name}_count{{stage="{stage}"}} {b.batches}')
+        metric(
+            "voicertc_engine_model_seconds_total",
+            "counter",
+            "Engine time inside the backend's batch runs (model work).",
+            [({}, stats.model_s)],
+        )
+        metric(
+            "voicertc_engine_host_seconds_total",
+            "counter",
+            "Engine loop time outside the model: planning, scheduling, writing audio, commands.",
+            [({}, stats.host_s)],
+        )
+        metric(
+            "voicertc_engine_runnable_units",
+            "gauge",
+            "Units of work runnable at the engine's latest iteration (queue depth).",
+            [({}, stats.runnable)],
         )
 
     @staticmethod

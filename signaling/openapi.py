@@ -91,7 +91,10 @@ def _paths(config: Config) -> dict[str, Any]:
             "parameters": [CALL_ID],
             "get": {
                 "summary": "Call state and counters.",
-                "responses": {"200": _json("The call.", {"type": "object"}), "404": UNKNOWN},
+                "responses": {
+                    "200": _json("The call.", {"$ref": "#/components/schemas/CallInfo"}),
+                    "404": UNKNOWN,
+                },
             },
             "patch": {
                 "summary": "Trickle ICE: remote candidates as an SDP fragment (RFC 8840).",
@@ -263,6 +266,26 @@ def _schemas(config: Config) -> dict[str, Any]:
                     "required": ["code", "message"],
                     "properties": {"code": string, "message": string},
                 }
+            },
+        },
+        "CallInfo": {
+            "type": "object",
+            "required": ["id", "state", "pending_utterances", "frames_sent", "underrun_frames", "queued_ms"],
+            "properties": {
+                "id": string,
+                "state": {
+                    "type": "string",
+                    "description": "RTCPeerConnection state (new, connecting, connected, ...) or closed.",
+                },
+                "pending_utterances": {"type": "integer", "minimum": 0, "description": "Queued, not played."},
+                "frames_sent": {"type": "integer", "minimum": 0, "description": "20 ms audio frames sent."},
+                "underrun_frames": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "description": "Silence frames sent while an utterance was playing (engine behind).",
+                },
+                "queued_ms": {"type": "number", "minimum": 0, "description": "Audio buffered, not yet sent."},
+                "listening": {"type": "boolean", "description": "The caller's microphone is listened to."},
             },
         },
         "Offer": {

@@ -43,6 +43,7 @@ class CallRegistry:
         metrics.active_calls = lambda: len(self.calls)
         metrics.live_calls = self._live_counters
         metrics.engine_steps = lambda: getattr(engine, "step_stats", None)
+        metrics.engine_batches = lambda: getattr(engine, "batch_stats", None)
 
     async def create(
         self,

@@ -25,6 +25,7 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 from voicertc.engine.backend import Backend
+from voicertc.engine.batch_stats import BatchStats
 from voicertc.engine.protocol import (
     AudioSink,
     Cancelled,
@@ -78,6 +79,11 @@ class EnginePool:
     def step_stats(self) -> StepStats:
         """Every worker's engine step times together."""
         return StepStats.merged(worker.step_stats for worker in self.workers)
+
+    @property
+    def batch_stats(self) -> BatchStats:
+        """The workers' batch statistics, summed."""
+        return BatchStats.merged(worker.batch_stats for worker in self.workers)
 
     def voices(self) -> list[str]:
         return self.workers[0].voices()

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from voicertc.engine.backend import Backend, StepResult, SynthStep, as_batch_backend
+from voicertc.engine.batch_stats import BatchStats
 from voicertc.engine.protocol import (
     DEFAULT_OPTIONS,
     AudioSink,
@@ -115,6 +116,7 @@ class EngineWorker:
         self.max_utterances = max_utterances
         self.max_utterance_s = max_utterance_s
         self.step_stats = StepStats(max_step_ms=max_step_ms)
+        self.batch_stats = BatchStats()  # batch sizes per stage, host vs model time, runnable depth
         self.max_batch = max_batch
         self.pull_tokens = pull_tokens
         self.clock = clock
@@ -461,11 +463,9 @@ class EngineWorker:
                 self._fail(utt, exc)
                 continue
             self._flush(utt)
-        if self.observer is not None:
-            self._report(batch, started, model_s)
+        self._report(batch, model_s)
 
-    def _report(self, batch: list[Job[Any]], started: float, model_s: float) -> None:
-        assert self.observer is not None
+    def _report(self, batch: list[Job[Any]], model_s: float) -> None:
         report = BatchReport(
             stage=stage_name(batch[0].work),
             size=len(batch),
@@ -473,6 +473,9 @@ class EngineWorker:
             step_s=self.clock() - self._iteration_started,
             runnable=self._last_runnable,
         )
+        self.batch_stats.observe(report.stage, report.size, report.model_s, report.step_s, report.runnable)
+        if self.observer is None:
+            return
         try:
             self.observer(report)
         except Exception:

@@ -1,4 +1,4 @@
-"""GET /v1/calls/{id} answers what its documented OpenAPI schema (`CallInfo`) says, underrun_frames included."""
+"""GET /v1/calls/{id} answers what its documented OpenAPI schema (`CallInfo`) says (underrun_frames too)."""
 
 from __future__ import annotations
 

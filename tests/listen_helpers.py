@@ -16,7 +16,17 @@ import numpy as np
 
 from bench.mic import CLIP_RATE_HZ, ClipTrack, Spoken, caller_clip, say, speech_edges
 
-__all__ = ["CLIP_RATE_HZ", "Spoken", "caller_clip", "clip_track", "say", "speech_edges", "wer", "write_wav"]
+__all__ = [
+    "CLIP_RATE_HZ",
+    "Spoken",
+    "caller_clip",
+    "clip_track",
+    "g722_only",
+    "say",
+    "speech_edges",
+    "wer",
+    "write_wav",
+]
 
 
 def clip_track(pcm_16k: np.ndarray, loop_clip: bool = False) -> ClipTrack:
@@ -43,3 +53,21 @@ def wer(reference: str, hypothesis: str) -> float:
         for j, h in enumerate(hyp, 1):
             prev, d[j] = d[j], min(d[j] + 1, d[j - 1] + 1, prev + (r != h))
     return d[len(hyp)] / max(1, len(ref))
+
+
+def g722_only(sdp: str) -> str:
+    """The offer with its audio m-line cut down to G722 (a codec aiortc does not take)."""
+    out, in_audio = [], False
+    for line in sdp.split("\r\n"):
+        if line.startswith("m="):
+            in_audio = line.startswith("m=audio")
+            if in_audio:
+                line = " ".join([*line.split(" ")[:3], "9"])
+        elif in_audio and re.match(r"a=(rtpmap|fmtp|rtcp-fb):", line):
+            if line.startswith("a=rtpmap:") and not re.match(r"a=rtpmap:9 ", line):
+                continue
+            if not line.startswith("a=rtpmap:"):
+                continue
+        out.append(line)
+    text = "\r\n".join(out)
+    return text

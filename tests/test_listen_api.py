@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from call_helpers import fake_config
-from listen_helpers import caller_clip, clip_track
+from listen_helpers import caller_clip, clip_track, g722_only
 
 from signaling.audio_ws import CLOSE_STALLED
 from signaling.embed import VoiceServer
@@ -129,3 +129,22 @@ async def test_audio_websocket_bad_requests():
             assert unknown.status == 404
             spec = await (await session.get(f"{server.url}/openapi.json")).json()
             assert "/v1/calls/{call_id}/audio" in spec["paths"]
+
+
+async def test_http_answer_says_video_is_ignored_and_refuses_an_unknown_mic_codec():
+    config = fake_config(server={"port": 0}, listen={"transcribe": False})
+    async with VoiceServer(config) as server, aiohttp.ClientSession() as session:
+        pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        pc.addTrack(clip_track(np.zeros(16000, np.float32)))
+        pc.addTransceiver("video", direction="sendrecv")
+        pc.createDataChannel("events")
+        await pc.setLocalDescription(await pc.createOffer())
+        offer = pc.localDescription.sdp
+        resp = await session.post(f"{server.url}/v1/calls", json={"sdp": offer, "type": "offer"})
+        assert resp.status == 201
+        body = await resp.json()
+        assert body["ignored_media"] == ["video"] and resp.headers["X-Ignored-Media"] == "video"
+        bad = await session.post(f"{server.url}/v1/calls", json={"sdp": g722_only(offer), "type": "offer"})
+        assert bad.status == 400
+        assert "codec" in (await bad.json())["error"]["message"]  # named before anything is set up
+        await pc.close()

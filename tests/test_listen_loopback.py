@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from call_helpers import fake_config, rms
-from listen_helpers import caller_clip, clip_track, wer
+from listen_helpers import caller_clip, clip_track, g722_only, wer
 
 from voicertc.engine.factory import create_engine
 from voicertc.listen.models import load_listen_models
@@ -212,21 +212,7 @@ async def test_a_mic_in_a_codec_we_do_not_take_is_refused_naming_it():
     caller = RTCPeerConnection(RTCConfiguration(iceServers=[]))
     caller.addTransceiver("audio", direction="sendrecv")
     await caller.setLocalDescription(await caller.createOffer())
-    sdp = caller.localDescription.sdp
-    audio, rest = (
-        sdp.split("m=audio", 1)[1].split("m=", 1)
-        if "m=" in sdp.split("m=audio", 1)[1]
-        else (
-            sdp.split("m=audio", 1)[1],
-            "",
-        )
-    )
-    lines = [ln for ln in ("m=audio" + audio).split("\r\n") if ln]
-    header = lines[0].split(" ")
-    g722 = [*header[:3], "9"]
-    kept = [ln for ln in lines[1:] if not re.match(r"a=(rtpmap|fmtp|rtcp-fb):(?!9 )", ln)]
-    kept = [ln for ln in kept if not ln.startswith("a=rtpmap:9 ")] + ["a=rtpmap:9 G722/8000"]
-    offer = sdp.split("m=audio", 1)[0] + "\r\n".join([" ".join(g722), *kept]) + "\r\n"
+    offer = g722_only(caller.localDescription.sdp)
     with pytest.raises(UnsupportedCodecError, match="G722"):
         await call.answer(offer)
     await caller.close()

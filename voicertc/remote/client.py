@@ -442,6 +442,8 @@ class RemoteEngine:
     def _on_message(self, utt: _Utterance, message: tuple[Any, ...]) -> bool:
         """Apply one message of the stream; True when it was the `open` header."""
         kind = message[0]
+        if kind == "batch":  # several messages that piled up on the replica
+            return any([self._on_message(utt, part) for part in message[1]])
         if kind == "pcm":
             pcm = pcm_from_message(message[1])
             rate = int(message[2])

@@ -194,12 +194,22 @@ class EngineReplica:
             if end:
                 self.engine.end_input(utterance_id)
             while not finished:
-                message = await sink.queue.get()
-                if message[0] == "first_audio":
-                    self._metrics.first_audio(float(message[1]))
-                    continue
-                finished = message[0] == "event"
-                yield message
+                batch = [await sink.queue.get()]
+                while not sink.queue.empty():  # what piled up meanwhile goes as one message
+                    batch.append(sink.queue.get_nowait())
+                out: list[Message] = []
+                for message in batch:
+                    if message[0] == "first_audio":
+                        self._metrics.first_audio(float(message[1]))
+                        continue
+                    out.append(message)
+                    if message[0] == "event":
+                        finished = True
+                        break
+                if len(out) == 1:
+                    yield out[0]
+                elif out:
+                    yield ("batch", out)
         finally:
             sink.close()
             self._sinks.pop(utterance_id, None)

@@ -3,7 +3,8 @@
 A replica streams, per utterance: one `("open", header)`, then `("pcm", int16 bytes, rate_hz)` pieces
 (mono, the engine's own rate), `("text", str)` marks (the text the PCM after it speaks) and exactly one
 terminal `("event", {...})` ("done" | "failed" |
-"cancelled"). The front-end sends text deltas, end of input and playout credit with `control` calls.
+"cancelled"); messages that pile up on the replica travel together as `("batch", [messages])`.
+The front-end sends text deltas, end of input and playout credit with `control` calls.
 No Ray import here: the front-end's in-process mode and the tests' pure parts can use it.
 """
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from voicertc import __version__
 
-PROTOCOL = 1  # bumped when the messages below change shape
+PROTOCOL = 2  # bumped when the messages below change shape
 DEPLOYMENT_NAME = "VoiceEngine"
 ROUTER_CLASS = "voicertc.remote.router:SessionAffinityRouter"
 

@@ -143,6 +143,7 @@ async def test_speech_barge_in_cuts_the_playing_utterance_and_reports_what_was_h
         assert 1500 < cut["played_ms"] < 1000 * spoken[0].start_s + 1000
         heard = cut["heard_text"]
         assert heard and LONG_REPLY.startswith(heard), heard
+        assert cut["barge_in"] == "speech"
         await asyncio.sleep(0.5)
         assert not [t for t in caller.loud_frames if t > cut_s + 0.25]  # quiet after the cut
         assert call.counters()["barge_ins"] == 1
@@ -154,7 +155,7 @@ async def test_words_mode_ignores_a_backchannel_and_cuts_on_the_question():
     async with two_way(clip_track(pcm), listen=listen) as (call, caller):
         handle = call.speak(LONG_REPLY)
         cut = await asyncio.wait_for(handle.done(), 30)
-        assert cut["type"] == "speech.interrupted"
+        assert cut["type"] == "speech.interrupted" and cut["barge_in"] == "words"
         assert LONG_REPLY.startswith(cut["heard_text"])
         policy = call.listener.policy
         # exactly one barge-in, decided on the question (segment 2) by a word that is no backchannel

@@ -181,11 +181,14 @@ class Call:
         self.utterances += 1
         return handle
 
-    def interrupt(self) -> tuple[str | None, float]:
-        """Stop playback now (fade), drop queued audio and utterances; returns (utterance_id, played_ms)."""
+    def interrupt(self, *, barge_in: str | None = None) -> tuple[str | None, float]:
+        """Stop playback now (fade), drop queued audio and utterances; returns (utterance_id, played_ms).
+
+        `barge_in` ("speech" | "words"): the caller's voice did it (said so in `speech.interrupted`).
+        """
         cut = self.track.interrupt()
         heard = self.sink.heard_text(cut.utterance_id, cut.played_ms)
-        about, ms = self.speech.interrupt_all(cut.utterance_id, cut.played_ms, heard)
+        about, ms = self.speech.interrupt_all(cut.utterance_id, cut.played_ms, heard, barge_in)
         if about is not None:
             self.interrupts += 1
         logger.info("call %s interrupt: utterance %s at %.0f ms", self.call_id, about, ms)
@@ -220,7 +223,7 @@ class Call:
     def _on_barge_in(self, decision: BargeInDecision) -> None:
         if self.closed.is_set():
             return
-        about, played_ms = self.interrupt()
+        about, played_ms = self.interrupt(barge_in=decision.reason)
         if about is not None:
             self.barge_ins += 1
         logger.info(

@@ -357,10 +357,11 @@ class SpeechQueue:
         self._release_active(handle)
 
     def interrupt_all(
-        self, playing_id: str | None, played_ms: float, heard_text: str = ""
+        self, playing_id: str | None, played_ms: float, heard_text: str = "", barge_in: str | None = None
     ) -> tuple[str | None, float]:
         """Cancel every unfinished utterance; the one playing reports `played_ms` and `heard_text`
-        (the text of its chunks that had started playing), the others 0 and "".
+        (the text of its chunks that had started playing), the others 0 and "". `barge_in` ("speech"
+        or "words") marks an interrupt the caller's voice caused.
 
         Returns the utterance the interrupt is about: the one playing, else the oldest unfinished one.
         """
@@ -372,15 +373,15 @@ class SpeechQueue:
         about = playing_id if playing_id in self._by_id else (victims[0].utterance_id if victims else None)
         for handle in victims:
             playing = handle.utterance_id == playing_id
-            self._finish(
-                handle,
-                {
-                    "type": "speech.interrupted",
-                    "utterance_id": handle.utterance_id,
-                    "played_ms": round(played_ms if playing else 0.0, 1),
-                    "heard_text": heard_text if playing else "",
-                },
-            )
+            event: ClientEvent = {
+                "type": "speech.interrupted",
+                "utterance_id": handle.utterance_id,
+                "played_ms": round(played_ms if playing else 0.0, 1),
+                "heard_text": heard_text if playing else "",
+            }
+            if barge_in:
+                event["barge_in"] = barge_in
+            self._finish(handle, event)
         return about, (played_ms if about == playing_id else 0.0)
 
     def _finish(self, handle: SpeechHandle, event: ClientEvent) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import os
 import secrets
 import signal
@@ -20,11 +21,8 @@ from typing import Any
 
 import pytest
 
-# Ray resolves 127.0.0.1 to the host's outward address unless told it is not a cluster: keep every
-# process of the test cluster (GCS, raylet, workers, agents) on loopback.
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
+if importlib.util.find_spec("ray") is None:
+    pytest.skip("needs the scale extra (ray[serve])", allow_module_level=True)
 
 from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 from call_helpers import PeerClient, fake_config, rms  # noqa: E402
@@ -44,6 +42,7 @@ from voicertc.webrtc.call import Call  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
+NOT_A_CLUSTER = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 FAKE_APP = "voicertc-fake"
 CV2_APP = "voicertc-cv2"
 FAKE = {"ttfa_ms": 20, "rtf": 0.25, "chunk_ms": 100}  # 25 ms of compute per 100 ms piece
@@ -59,12 +58,18 @@ def front_end(app: str, **sections: dict[str, Any]) -> Config:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[Path]:
-    """Yields the speaking tiny CosyVoice2 directory the cv2 app runs."""
+    """A local Ray cluster on 127.0.0.1 with the two engine apps, torn down after the module; yields the
+    speaking tiny CosyVoice2 directory the cv2 app runs. Ray is imported here, not at collection."""
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", NOT_A_CLUSTER)}
+    # Ray swaps 127.0.0.1 for the host's outward address unless told this is no cluster: keep every
+    # process of the test cluster (GCS, raylet, workers, agents) on loopback (also `not_a_cluster()`).
+    os.environ[NOT_A_CLUSTER] = "0"
+    import ray
+    from ray import serve
+
     speaking_dir = make_tiny_model_dir(tmp_path_factory.mktemp("cv2_speak"), checkpoints_from=tiny_model_dir)
-    """A local Ray cluster on 127.0.0.1 with the two engine apps; torn down after the module."""
     token = tmp_path_factory.mktemp("ray") / "auth_token"
     token.write_text(secrets.token_hex(32))
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
     apply_auth(RayConfig(auth_mode="token", auth_token_path=str(token)))
     from ray._private import ray_constants
 
@@ -168,6 +173,8 @@ async def played_ring(read: bool = True, high_water_ms: float = 4000):
 
 
 def kill_replica(app: str, replica: str) -> None:
+    import ray
+
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if actor["name"].startswith(f"SERVE_REPLICA::{app}#") and actor["name"].endswith(f"#{replica}"):
             ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
@@ -358,6 +365,8 @@ async def test_a_killed_replica_fails_its_utterance_and_the_next_one_moves(clust
 @pytest.mark.gpu
 async def test_two_cosyvoice2_replicas_share_one_gpu(cluster):
     """Fractional GPUs: two replicas of num_gpus = 0.5 on one device, both speak (GPU only)."""
+    from ray import serve
+
     config = fake_config(
         engine={"backend": "cosyvoice2", "model_dir": str(cluster), "voices_dir": "", "device": "cuda"},
         ray={"num_replicas": 2, "num_gpus": 0.5, "num_cpus": 0.5},
@@ -380,6 +389,8 @@ async def test_two_cosyvoice2_replicas_share_one_gpu(cluster):
 
 async def test_http_front_end_location_and_503_while_the_engine_is_gone(cluster):
     """Runs last: it deletes the fake app. The call stays up; speak answers 503 + Retry-After."""
+    from ray import serve
+
     config = front_end(FAKE_APP, server={"public_url": "http://front-1.example:8080/"})
     client = TestClient(TestServer(create_app(config)))
     await client.start_server()

@@ -3,6 +3,7 @@ server.public_url; errors name the key; the in-process default never imports Ray
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -96,3 +97,21 @@ def test_engine_serve_flags_override_the_config(tmp_path):
     bad = build_parser().parse_args(["engine-serve", "--config", str(path), "--replicas", "0"])
     with pytest.raises(ConfigError, match="ray.num_replicas"):
         engine_serve_config(bad)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the scale extra")
+def test_a_front_end_refuses_to_start_when_the_cluster_is_unreachable(tmp_path):
+    path = write(
+        tmp_path,
+        '[engine]\nbackend = "ray"\n[ray]\naddress = "127.0.0.1:1"\nconnect_timeout_s = 3.0\n'
+        'auth_mode = "disabled"\n',
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "signaling.cli", "serve", "--config", str(path), "--port", "0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "cannot reach the Ray cluster at '127.0.0.1:1'" in done.stderr

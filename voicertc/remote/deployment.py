@@ -38,6 +38,7 @@ from voicertc.remote.wire import DEPLOYMENT_NAME, PROTOCOL, ROUTER_CLASS, Messag
 
 logger = logging.getLogger(__name__)
 
+CONTROL_ROOM = 16  # Serve requests a replica takes beyond its open utterances (text, credit, info)
 REPORTS_KEPT = 1000  # finished utterances whose report a replica keeps (tests, debugging)
 
 
@@ -326,7 +327,8 @@ def deployment_options(config: Config) -> dict[str, Any]:
     ray = config.ray
     options: dict[str, Any] = {
         "name": DEPLOYMENT_NAME,
-        "max_ongoing_requests": ray.max_ongoing_requests,
+        # open streams are capped by the engine (limits.max_utterances); control calls need room beside them
+        "max_ongoing_requests": max(ray.max_ongoing_requests, config.limits.max_utterances + CONTROL_ROOM),
         "ray_actor_options": {"num_cpus": ray.num_cpus, "num_gpus": ray.num_gpus},
         "request_router_config": RequestRouterConfig(request_router_class=ROUTER_CLASS),
         "health_check_period_s": 2.0,

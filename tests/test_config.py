@@ -94,3 +94,23 @@ def test_step_and_utterance_bounds_are_read(tmp_path):
     assert (cfg.engine.max_step_ms, cfg.engine.piper_piece_phonemes) == (150, 60)
     assert cfg.limits.max_utterance_s == 30.0
     assert (Config().engine.max_step_ms, Config().limits.max_utterance_s) == (200, 120.0)
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("[engine]\nestimator = 'trt'\n", "engine.estimator"),
+        ("[engine]\nllm = 'sglang'\n", "engine.llm"),
+        ("[engine]\ncompile = 'yes'\n", "engine.compile"),
+        ("[engine]\naccel_dir = 3\n", "engine.accel_dir"),
+    ],
+)
+def test_bad_acceleration_values_name_the_key(tmp_path, text, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(write(tmp_path, text))
+
+
+def test_acceleration_defaults_are_exact_fp32_eager():
+    engine = Config().engine
+    assert (engine.dtype, engine.estimator, engine.compile, engine.llm) == ("float32", "torch", False, "torch")
+    assert load_config(REPO / "config.toml").engine.accel_dir == ""

@@ -74,6 +74,10 @@ class EngineConfig:
     max_step_ms: int = 200
     piper_piece_phonemes: int = 0
     max_batch: int = 16
+    estimator: str = "torch"
+    compile: bool = False
+    llm: str = "torch"
+    accel_dir: str = ""
 
     @property
     def model_name(self) -> str:
@@ -105,6 +109,12 @@ class EngineConfig:
         ok_piece = self.piper_piece_phonemes == 0 or 8 <= self.piper_piece_phonemes <= 2000
         _check(ok_piece, "engine.piper_piece_phonemes", "must be 0 (sized from max_step_ms) or 8..2000")
         _check(1 <= self.max_batch <= 256, "engine.max_batch", "must be 1..256")
+        _check(
+            self.estimator in ("torch", "onnx", "tensorrt"),
+            "engine.estimator",
+            "must be torch, onnx or tensorrt",
+        )
+        _check(self.llm in ("torch", "vllm"), "engine.llm", "must be torch or vllm")
         if self.model_name == "cosyvoice2":
             _check(bool(self.model_dir), "engine.model_dir", "is required for model cosyvoice2")
             _check(self.workers == 1, "engine.workers", "must be 1 for cosyvoice2 (one owner of the device)")

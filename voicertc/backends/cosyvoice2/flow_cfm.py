@@ -9,6 +9,7 @@ different x at every step), one per utterance with the CFG pair as its two rows.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +44,8 @@ class CausalConditionalCFM(nn.Module):
         self.estimator = CausalConditionalDecoder(cfg)
         self.n_timesteps = n_timesteps
         self.cfg_rate = cfg_rate
+        # an exported graph runner with the estimator's call signature (`[engine] estimator`); None = eager
+        self.estimator_runner: Callable[..., Tensor] | None = None
 
     def new_caches(self) -> list[EstimatorCache]:
         """One estimator cache per Euler step for one utterance."""
@@ -71,7 +74,8 @@ class CausalConditionalCFM(nn.Module):
             x_in = x.unsqueeze(1).expand(n, 2, bins, frames).reshape(2 * n, bins, frames)
             t_in = t.expand(2 * n)
             caches = [utterance[step] for utterance in step_caches]
-            out = self.estimator(x_in, mu_in, t_in, spks_in, cond_in, caches, chunk_masks)
+            estimate = self.estimator_runner or self.estimator
+            out = estimate(x_in, mu_in, t_in, spks_in, cond_in, caches, chunk_masks)
             out = out.view(n, 2, bins, frames)
             velocity = (1.0 + self.cfg_rate) * out[:, 0] - self.cfg_rate * out[:, 1]
             x = x + dt * velocity

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -258,8 +259,19 @@ class CausalConditionalDecoder(nn.Module):
         chunk_masks: bool,
     ) -> Tensor:
         # x, mu, cond: [B, 80, T] new frames; t: [B]; spks: [B, 80]; B = len(caches) * rows -> [B, 80, T]
-        frames = x.shape[2]
         batch = _Batch(caches, x.shape[0] // len(caches), self.chunk_frames if chunk_masks else None)
+        out = self.forward_batch(x, mu, t, spks, cond, batch)
+        for cache in caches:
+            cache.frames += x.shape[2]
+        return out
+
+    def forward_batch(
+        self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, batch: Any
+    ) -> Tensor:
+        """The network on the new frames; `batch` supplies each causal conv's left context
+        (`conv_context`) and each attention's cached keys (`attend`): `_Batch` here, a graph input
+        packing for the ONNX export (`voicertc.export.flow_onnx`)."""
+        frames = x.shape[2]
         t_emb = self.time_mlp(self.time_embeddings(t).to(t.dtype))
         h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, frames), cond], dim=1)
         down = self.down_blocks[0]
@@ -271,6 +283,4 @@ class CausalConditionalDecoder(nn.Module):
         h = self._resnet_and_blocks(up, torch.cat([h, skip], dim=1), t_emb, batch)
         h = up[2](h, batch)
         h = self.final_block(h, batch)
-        for cache in caches:
-            cache.frames += frames
         return self.final_proj(h)

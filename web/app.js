@@ -1,6 +1,7 @@
 // voicertc demo page: one WebRTC call to the server, text in, speech out, live stats; with the
 // Microphone toggle the call is two-way (the server hears the caller: speech state, transcripts,
-// barge-in). No framework. window.voicertc exposes the state and a 16 kHz capture for automated tests.
+// barge-in). A voice picker (GET /v1/voices), an instruction box, and a form that registers a new voice
+// from an uploaded or recorded clip plus its transcript (POST /v1/voices). No framework. window.voicertc exposes the state and a 16 kHz capture for automated tests.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -27,6 +28,8 @@ const state = {
   micCtx: null,
   levels: null, // {mic: [[t_ms, rms]], heard: [[t_ms, rms]]} per ~16 ms block while recording (tests)
   eventTimes: [], // performance.now() when each event in `events` arrived
+  clip: null, // the clip (File or recorded Blob) a new voice is registered from
+  recorder: null, // MediaRecorder while recording a clip
 };
 
 function log(line) {
@@ -260,9 +263,88 @@ function setUserState(text) {
 }
 
 function speak(text) {
-  if (send({ type: "speak", text: text === undefined ? $("text").value : text })) {
+  const message = { type: "speak", text: text === undefined ? $("text").value : text };
+  if ($("voice").value) message.voice = $("voice").value;
+  if ($("instruct").value.trim()) message.instruct = $("instruct").value.trim();
+  if (send(message)) {
     state.speakAt = performance.now();
   }
+}
+
+// ---- voices: the picker (GET /v1/voices) and registering a clip (POST /v1/voices) ----------------
+
+async function refreshVoices(select) {
+  const resp = await fetch("/v1/voices", { headers: authHeaders }).catch(() => null);
+  if (!resp || resp.status !== 200) return [];
+  const voices = (await resp.json()).voices;
+  const picker = $("voice");
+  const keep = select === undefined ? picker.value : select;
+  picker.innerHTML = '<option value="">(default)</option>';
+  for (const v of voices) {
+    const option = document.createElement("option");
+    option.value = v.id;
+    option.textContent = v.name && v.name !== v.id ? `${v.name} (${v.id})` : v.id;
+    option.title = `${v.kind}${v.transcript ? `: ${v.transcript}` : ""}`;
+    picker.appendChild(option);
+  }
+  picker.value = voices.some((v) => v.id === keep) ? keep : "";
+  return voices;
+}
+
+function setVoiceStatus(text) {
+  $("voice-status").textContent = text;
+  log(text);
+}
+
+function setClip(blob, label) {
+  state.clip = blob;
+  $("voice-clip").textContent = blob ? `${label} (${(blob.size / 1024).toFixed(0)} KiB)` : "no clip";
+}
+
+async function toggleRecord() {
+  if (state.recorder) {
+    state.recorder.stop();
+    return;
+  }
+  const stream = await navigator.mediaDevices.getUserMedia({ audio: MIC_CONSTRAINTS });
+  const recorder = new MediaRecorder(stream);
+  const chunks = [];
+  recorder.ondataavailable = (ev) => chunks.push(ev.data);
+  recorder.onstop = () => {
+    stream.getTracks().forEach((t) => t.stop());
+    state.recorder = null;
+    $("voice-record").textContent = "Record";
+    setClip(new Blob(chunks, { type: recorder.mimeType }), "recording");
+  };
+  state.recorder = recorder;
+  recorder.start();
+  $("voice-record").textContent = "Stop";
+  setVoiceStatus("recording... press Stop when done (1-30 s)");
+}
+
+// Register the clip (a Blob/File) as a voice; returns the new voice or null (the reason is shown).
+async function registerVoice(clip, transcript, name) {
+  clip = clip || state.clip || ($("voice-file").files[0] ?? null);
+  if (!clip) {
+    setVoiceStatus("choose or record a clip first");
+    return null;
+  }
+  const form = new FormData();
+  form.append("audio", clip, clip.name || "clip");
+  const words = transcript === undefined ? $("voice-transcript").value.trim() : transcript;
+  const label = name === undefined ? $("voice-name").value.trim() : name;
+  if (words) form.append("transcript", words);
+  if (label) form.append("name", label);
+  setVoiceStatus("registering...");
+  const resp = await fetch("/v1/voices", { method: "POST", headers: authHeaders, body: form });
+  const body = await resp.json().catch(() => ({ error: { message: resp.statusText } }));
+  if (resp.status !== 201) {
+    setVoiceStatus(`voice refused: ${resp.status} ${body.error.code}: ${body.error.message}`);
+    return null;
+  }
+  setVoiceStatus(`voice ${body.id} registered (${body.kind}, ${body.prompt_s} s)`);
+  await refreshVoices(body.id);
+  return body;
 }
 
 function interrupt() {
@@ -298,6 +380,10 @@ $("hangup").onclick = hangup;
 $("speak").onclick = () => speak();
 $("interrupt").onclick = interrupt;
 $("mic").onchange = toggleMic;
+$("voice-record").onclick = () => toggleRecord().catch((err) => setVoiceStatus(`cannot record: ${err.message || err}`));
+$("voice-file").onchange = () => setClip($("voice-file").files[0] || null, "file");
+$("voice-register").onclick = () => registerVoice();
+refreshVoices();
 
 window.voicertc = {
   state,
@@ -305,6 +391,12 @@ window.voicertc = {
   hangup,
   speak,
   interrupt,
+  refreshVoices,
+  registerVoice,
+  selectVoice: (id) => {
+    $("voice").value = id;
+    return $("voice").value === id;
+  },
   connectionState: () => (state.pc ? state.pc.connectionState : "idle"),
   channelOpen,
   // Block levels of the mic and of what is heard, with performance.now() times (tests, benchmarks).

@@ -52,6 +52,8 @@ def test_values_are_read(tmp_path):
         ("[listen]\ninbound_buffer_ms = 10\n", "listen.inbound_buffer_ms"),
         ("[listen]\nws_stall_timeout_s = 0\n", "listen.ws_stall_timeout_s"),
         ("[listen]\nenabled = 1\n", "listen.enabled"),
+        ("[listen]\nmic_jitter_frames = 0\n", "listen.mic_jitter_frames"),
+        ("[listen]\nmin_level_dbfs = 0\n", "listen.min_level_dbfs"),
         ("[listen]\nloud = 1\n", "listen.loud"),
     ],
 )

@@ -248,6 +248,7 @@ class ListenConfig:
     partial_every_ms: int = 400
     max_segment_s: float = 30.0
     inbound_buffer_ms: int = 2000
+    mic_jitter_frames: int = 1
     ws_stall_timeout_s: float = 2.0
 
     def validate(self) -> None:
@@ -270,6 +271,7 @@ class ListenConfig:
         _check(1 <= self.whisper_threads <= 16, "listen.whisper_threads", "must be 1..16")
         _check(100 <= self.partial_every_ms <= 5000, "listen.partial_every_ms", "must be 100..5000")
         _check(1 <= self.max_segment_s <= 120, "listen.max_segment_s", "must be 1..120")
+        _check(1 <= self.mic_jitter_frames <= 8, "listen.mic_jitter_frames", "must be 1..8")
         _check(100 <= self.inbound_buffer_ms <= 60_000, "listen.inbound_buffer_ms", "must be 100..60000")
         _check(0.1 <= self.ws_stall_timeout_s <= 60, "listen.ws_stall_timeout_s", "must be 0.1..60")
 

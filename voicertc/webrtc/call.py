@@ -208,9 +208,24 @@ class Call:
         self.listener = CallListener(
             self.call_id, listen, self._emit, self.current_utterance, self._on_barge_in, transcriber
         )
+        self._shorten_mic_jitter_buffer(track)
         self.listener.start(track)
         self._listening.set()
         logger.info("call %s: listening to the caller's microphone", self.call_id)
+
+    def _shorten_mic_jitter_buffer(self, track: MediaStreamTrack) -> None:
+        """aiortc holds 4 decoded frames (80 ms) before the first leaves its jitter buffer; the buffer
+        waits for a missing packet however many it holds, so a shorter prefetch only cuts delay (every
+        barge-in and VAD event pays it). aiortc offers no setting: the receiver's buffer is adjusted."""
+        for transceiver in self.pc.getTransceivers():
+            receiver = transceiver.receiver
+            if receiver.track is not track:
+                continue
+            buffer = getattr(receiver, "_RTCRtpReceiver__jitter_buffer", None)
+            if buffer is not None and hasattr(buffer, "_prefetch"):
+                buffer._prefetch = self.config.listen.mic_jitter_frames
+            else:
+                logger.info("call %s: aiortc jitter buffer not adjustable; kept", self.call_id)
 
     async def wait_listening(self) -> None:
         """Until the caller's microphone track arrived (never, for a call without one)."""

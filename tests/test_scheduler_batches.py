@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from voicertc.engine.scheduler import form_batch
 from voicertc.engine.utterance import Utterance
-from voicertc.engine.work import Decode, Finish, FlowChunk, Frontend, Job, Synth, Vocode
+from voicertc.engine.work import Decode, Finish, FlowChunk, Frontend, Job, Prefill, Synth, Vocode
 
 
 def job(name: str, work, *, opened_s: float = 0.0, queued_ms: float | None = None, steps: int = 0) -> Job:
@@ -62,9 +62,11 @@ def test_vocoder_runs_of_one_length_batch_across_utterances_and_other_units_run_
         job("v3", Vocode(frames=50), opened_s=0.5),  # another vocoder length: not in this batch
     ]
     assert names(form_batch(jobs, max_batch=16)) == ["v1", "v2"]
-    for unit in (Frontend(), Finish(), Synth()):
-        jobs = [job("x", unit, opened_s=0.0), job("y", unit, opened_s=1.0)]
-        assert names(form_batch(jobs, max_batch=16)) == ["x"]
+    jobs = [job("x", Synth(), opened_s=0.0), job("y", Synth(), opened_s=1.0)]
+    assert names(form_batch(jobs, max_batch=16)) == ["x"]  # a simple backend's step: one at a time
+    for unit in (Frontend(), Prefill(), Finish()):  # cheap transitions share one iteration
+        jobs = [job("x", unit, opened_s=0.0), job("y", Decode(), opened_s=0.5), job("z", unit, opened_s=1.0)]
+        assert names(form_batch(jobs, max_batch=16)) == ["x", "z"]
     assert form_batch([], max_batch=4) == []
 
 

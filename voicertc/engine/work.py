@@ -74,7 +74,10 @@ class Job(Generic[S]):
 
 
 def batch_key(work: Work) -> tuple[object, ...] | None:
-    """Units with the same key may run as one batch; None = always alone."""
+    """Units with the same key may run as one batch; None = always alone (`Synth`: a simple backend's
+    step). The cheap host-only transitions (`Frontend`, `Prefill`, `Finish`) share an iteration too."""
+    if isinstance(work, Frontend | Prefill | Finish):
+        return (type(work).__name__,)
     if isinstance(work, Decode):
         return ("decode",)
     if isinstance(work, FlowChunk):

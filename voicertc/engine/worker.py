@@ -73,6 +73,7 @@ class BatchReport:
     model_s: float
     step_s: float
     runnable: int
+    cpu_s: float = 0.0  # the engine thread's CPU time in the whole iteration (not inflated by other load)
 
 
 PIECE_MS = 100  # audio is written to sinks in pieces of at most this, so backpressure is fine-grained
@@ -123,6 +124,7 @@ class EngineWorker:
         self.observer = observer  # called on the engine thread after every batch (metrics)
         self._planner = as_batch_backend(backend) if backend is not None else None
         self._iteration_started = 0.0  # clock at the start of the current loop iteration
+        self._iteration_cpu = 0.0  # engine-thread CPU time at that moment
         self._last_runnable = 0  # units planned in the current iteration (runnable queue depth)
         self._queue: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._utterances: dict[str, Utterance] = {}  # worker thread only
@@ -322,7 +324,7 @@ class EngineWorker:
     def _runnable(self) -> tuple[list[Utterance], list[Job[Any]]]:
         """Sink heads with audio to write or done (no backend work), and the units the others planned."""
         now_s, writable, jobs = self.clock(), [], []
-        self._iteration_started = now_s
+        self._iteration_started, self._iteration_cpu = now_s, time.thread_time()
         for utt in sink_heads(list(self._utterances.values())):
             try:
                 if utt.pending_pcm:
@@ -472,6 +474,7 @@ class EngineWorker:
             model_s=model_s,
             step_s=self.clock() - self._iteration_started,
             runnable=self._last_runnable,
+            cpu_s=time.thread_time() - self._iteration_cpu,
         )
         self.batch_stats.observe(report.stage, report.size, report.model_s, report.step_s, report.runnable)
         if self.observer is None:

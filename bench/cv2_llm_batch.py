@@ -1,0 +1,93 @@
+"""Batched LLM decode on the slot KV cache: ms per step and tokens/s at batch 1, 2, 4, 8 (full size).
+
+    .venv/bin/python -m bench.make_full_model_dir             # random full-size weights (once)
+    .venv/bin/python -m bench.cv2_llm_batch [--model-dir .models/cv2_full] [--batch 1 2 4 8]
+
+B sessions (30 text tokens, a 75-token prompt, RAS sampling with their own generators) are prefilled
+on their own slots of one `SlotKV`, then `decode_batch` runs all B rows per step. Reports wall ms per
+step (p50 over the runs), the engine thread's CPU ms per step, and total tokens/s (B / step time), with
+the speed-up over batch 1. Writes bench/results/cv2_llm_batch_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from bench.make_full_model_dir import DEFAULT_OUT
+from bench.report import summary, table, write_json
+from voicertc.backends.cosyvoice2.llm_batch import SlotKV, decode_batch
+from voicertc.backends.cosyvoice2.loader import load_llm
+
+
+def run_batch(llm, batch: int, steps: int, warmup: int, device: str) -> dict[str, object]:
+    pool = SlotKV(llm.llm.model.model, slots=max(batch, 1), capacity=512)
+    gen = torch.Generator().manual_seed(1)
+    sessions = []
+    for row in range(batch):
+        text = torch.randint(0, 1000, (30,), generator=gen).tolist()
+        speech = torch.randint(0, 6561, (75,), generator=gen).tolist()
+        session = llm.prefill(
+            text, text[:10], speech, generator=torch.Generator().manual_seed(row), kv=pool.acquire()
+        )
+        session.min_len, session.max_len = 10_000, 10_000  # never stops during the timing
+        sessions.append(session)
+    decode_batch(llm, sessions)  # the prompts (fed row by row)
+    for _ in range(warmup):
+        decode_batch(llm, sessions)
+    wall, cpu = [], []
+    for _ in range(steps):
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        out = decode_batch(llm, sessions)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        wall.append(1000 * (time.perf_counter() - started))
+        cpu.append(1000 * (time.thread_time() - cpu_started))
+        assert all(isinstance(t, int) for t in out), out
+    step = summary(wall)
+    return {
+        "batch": batch,
+        "ms_per_step": step,
+        "cpu_ms_per_step": summary(cpu),
+        "tokens_per_s": 1000.0 * batch / step["p50"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-dir", default=str(DEFAULT_OUT))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    llm = load_llm(args.model_dir, args.device)
+    results = [run_batch(llm, b, args.steps, args.warmup, args.device) for b in args.batch]
+    base = results[0]["tokens_per_s"]
+    rows = [
+        {
+            "batch": r["batch"],
+            "ms/step p50": r["ms_per_step"]["p50"],
+            "ms/step p95": r["ms_per_step"]["p95"],
+            "cpu ms/step p50": r["cpu_ms_per_step"]["p50"],
+            "tokens/s": r["tokens_per_s"],
+            "x batch 1": r["tokens_per_s"] / base,
+        }
+        for r in results
+    ]
+    print(table(rows, list(rows[0])))
+    load = os.getloadavg()[0]
+    print(f"load average (1 min): {load:.1f}")
+    path = write_json(
+        f"cv2_llm_batch_{args.device.replace(':', '')}", {"results": results, "load_avg_1m": load}
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

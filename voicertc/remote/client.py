@@ -612,7 +612,7 @@ def apply_auth(ray_config: RayConfig) -> None:
     if ray_config.auth_token_path:
         os.environ["RAY_AUTH_TOKEN_PATH"] = ray_config.auth_token_path
     try:
-        from ray._raylet import Config as RayletConfig
+        from ray._raylet import Config as RayletConfig  # type: ignore[attr-defined]
 
         RayletConfig.initialize("")
     except Exception:  # noqa: BLE001 - a Ray without this hook reads the environment at init

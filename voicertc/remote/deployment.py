@@ -330,7 +330,7 @@ def deployment_options(config: Config) -> dict[str, Any]:
         # open streams are capped by the engine (limits.max_utterances); control calls need room beside them
         "max_ongoing_requests": max(ray.max_ongoing_requests, config.limits.max_utterances + CONTROL_ROOM),
         "ray_actor_options": {"num_cpus": ray.num_cpus, "num_gpus": ray.num_gpus},
-        "request_router_config": RequestRouterConfig(request_router_class=ROUTER_CLASS),
+        "request_router_config": RequestRouterConfig(request_router_class=ROUTER_CLASS),  # type: ignore[arg-type]
         "health_check_period_s": 2.0,
         "health_check_timeout_s": 10.0,
         "graceful_shutdown_timeout_s": 5.0,
@@ -354,7 +354,8 @@ def build_app(config: Config, **overrides: Any) -> Any:
         config, engine=dataclasses.replace(config.engine, backend=config.engine.model_name, model="")
     )
     options = {**deployment_options(config), **overrides}
-    return serve.deployment(EngineReplica).options(**options).bind(config_data(local))
+    deployment = serve.deployment(EngineReplica)  # a class: a Deployment (the stubs pick the decorator)
+    return deployment.options(**options).bind(config_data(local))  # type: ignore[attr-defined]
 
 
 def app_builder(args: dict[str, str]) -> Any:

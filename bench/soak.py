@@ -41,6 +41,7 @@ from voicertc.webrtc.loopback import patch_aioice_loopback
 
 PARAGRAPH = " ".join(SENTENCES)
 SAMPLE_S = 5.0
+CONNECTING_AT_ONCE = 3  # below the server's per-client cap on unconnected calls (limits.max_pending_calls)
 
 
 def threads_and_fds(pid: int) -> tuple[int, int]:
@@ -91,12 +92,18 @@ def pick_text(rng: random.Random, pathological_rate: float) -> str:
 
 
 async def one_call(
-    http: aiohttp.ClientSession, url: str, rng: random.Random, rate: float, totals: Totals
+    http: aiohttp.ClientSession,
+    url: str,
+    rng: random.Random,
+    rate: float,
+    totals: Totals,
+    gate: asyncio.Semaphore,
 ) -> None:
     peer = HttpPeer(http, url)
     vanish = rng.random() < 0.1
     try:
-        await peer.connect()
+        async with gate:
+            await peer.connect()
         totals.calls += 1
         for _ in range(rng.randint(3, 12)):
             utterance_id = await peer.speak(pick_text(rng, rate))
@@ -128,13 +135,21 @@ async def one_call(
 
 
 async def slot(
-    http: aiohttp.ClientSession, url: str, seed: int, rate: float, end_s: float, totals: Totals
+    http: aiohttp.ClientSession,
+    url: str,
+    seed: int,
+    rate: float,
+    end_s: float,
+    totals: Totals,
+    gate: asyncio.Semaphore,
 ) -> None:
     rng = random.Random(seed)
     await asyncio.sleep(rng.uniform(0.0, 2.0))
     while time.monotonic() < end_s:
         try:
-            await asyncio.wait_for(one_call(http, url, rng, rate, totals), max(1.0, end_s - time.monotonic()))
+            await asyncio.wait_for(
+                one_call(http, url, rng, rate, totals, gate), max(1.0, end_s - time.monotonic())
+            )
         except TimeoutError:
             pass  # the soak is over mid-call: hung up by the wait_for's cancel (close in finally)
         except Exception as exc:  # noqa: BLE001 - a failed call is counted, the slot goes on
@@ -187,7 +202,8 @@ async def warm_up(url: str, calls: int) -> None:
     async with aiohttp.ClientSession() as http:
         peers = [HttpPeer(http, url) for _ in range(calls)]
         try:
-            await asyncio.gather(*(p.connect() for p in peers))
+            for peer in peers:  # one at a time: the server caps a client's unconnected calls
+                await peer.connect()
             ids = await asyncio.gather(*(p.speak("Warm up, please.") for p in peers))
             await asyncio.gather(
                 *(wait_terminal(p, i, timeout_s=60.0) for p, i in zip(peers, ids, strict=True))
@@ -208,11 +224,12 @@ async def main(minutes: float, calls: int, seed: int, rate: float, warmup_frac: 
         baseline, baseline_kinds = threads_and_fds(pid), thread_and_fd_kinds(pid)
         rss_baseline = rss_mb(pid)
         async with aiohttp.ClientSession() as http:
+            gate = asyncio.Semaphore(CONNECTING_AT_ONCE)
             t0 = time.monotonic()
             end_s = t0 + seconds
             await asyncio.gather(
                 sample_rss(pid, t0, end_s, samples),
-                *(slot(http, url, seed * 100 + i, rate, end_s, totals) for i in range(calls)),
+                *(slot(http, url, seed * 100 + i, rate, end_s, totals, gate) for i in range(calls)),
             )
             soak_s = time.monotonic() - t0
         async with aiohttp.ClientSession() as http:  # a fresh one: the soak's keep-alive sockets are gone

@@ -129,3 +129,70 @@ def test_piece_texts_cover_every_word_once_in_order():
     assert all(t == t.strip() for t in texts)
     assert piece_texts("Hi.", [list("hˈaɪ.")]) == ["Hi."]
     assert piece_texts("", [list("ab")]) == [""]
+
+
+def test_pieces_are_sized_from_max_step_ms_by_a_timed_calibration(monkeypatch):
+    import voicertc.backends.piper as piper
+
+    monkeypatch.setattr(piper, "_timed", lambda run, clock: 0.064)  # 64 phonemes in 64 ms: 1 ms each
+    backend = PiperBackend(threads=1, max_step_ms=200)
+    assert backend.piece_phonemes == int(piper.STEP_FILL * 200)  # 120 phonemes fill 60 % of 200 ms
+    assert backend.first_piece_phonemes == piper.FIRST_PIECE_PHONEMES
+    monkeypatch.setattr(piper, "_timed", lambda run, clock: 10.0)  # a hopeless machine: the floor
+    assert PiperBackend(threads=1, max_step_ms=50).piece_phonemes == piper.MIN_PIECE_PHONEMES
+
+
+def test_the_config_reaches_the_piper_engine():
+    from voicertc.config import config_from_dict
+    from voicertc.engine.factory import create_engine
+
+    config = config_from_dict(
+        {"engine": {"backend": "piper", "piper_piece_phonemes": 50}, "limits": {"max_utterance_s": 30}}
+    )
+    engine = create_engine(config)
+    engine.start()
+    try:
+        assert engine.backend.piece_phonemes == 50
+        assert engine.max_utterance_s == 30.0 and engine.step_stats.max_step_ms == 200
+    finally:
+        engine.stop()
+
+
+def test_a_new_utterance_waits_for_at_most_one_piece_of_a_pathological_one(bounded_engine):
+    """Finding 2's mechanism, in work units: call B's 1,400-phoneme text no longer runs as one step
+    that call A waits behind. A's request arrives right after B's first audio; before A's first
+    synthesis call, B has synthesized at most its first piece and one more."""
+    backend = bounded_engine.backend
+    runs: list[tuple[str, int]] = []  # (utterance of the batch, phoneme ids in the onnxruntime call)
+    batch_of = [""]
+    original_batch, original_session = bounded_engine._run_batch, backend._voice.session
+
+    def run_batch(batch):
+        batch_of[0] = batch[0].utt.utterance_id
+        original_batch(batch)
+
+    class Session:
+        def run(self, outputs, inputs, run_options=None):
+            runs.append((batch_of[0], int(inputs["input"].shape[1])))
+            return original_session.run(outputs, inputs, run_options)
+
+    log_a, sink_a = EventLog(), RecordingSink()
+    log_b, sink_b = EventLog(), RecordingSink()
+    a_id: list[str] = []
+
+    def on_b(event):  # engine thread: A's request lands while B is in the middle of its text
+        log_b(event)
+        if isinstance(event, FirstAudio):
+            a_id.append(bounded_engine.say(None, sink_a, log_a, "Hello there, how are you?"))
+
+    bounded_engine._run_batch, backend._voice.session = run_batch, Session()
+    try:
+        b = bounded_engine.say(None, sink_b, on_b, PATHOLOGICAL["digits"])
+        log_b.wait_terminal([b], timeout_s=120)
+        log_a.wait_terminal(a_id, timeout_s=120)
+    finally:
+        bounded_engine._run_batch, backend._voice.session = original_batch, original_session
+    first_a = next(i for i, (uid, _) in enumerate(runs) if uid == a_id[0])
+    b_ids_before_a = sum(ids for uid, ids in runs[:first_a] if uid == b)
+    assert b_ids_before_a <= (2 * backend.first_piece_phonemes + 3) + (2 * PIECE + 3), runs
+    assert any(uid == b for uid, _ in runs[first_a + 1 :])  # B was far from done: A cut in

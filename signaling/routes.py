@@ -331,6 +331,8 @@ async def events(request: web.Request) -> web.StreamResponse:
             else:
                 await response.write(_sse({"type": "call.closed", "reason": call.close_reason}))
             break
+    except ConnectionResetError:  # the client went away mid-stream: nothing left to tell it
+        return response
     finally:
         call.unsubscribe(queue)
     await response.write_eof()

@@ -148,3 +148,22 @@ async def test_http_answer_says_video_is_ignored_and_refuses_an_unknown_mic_code
         assert bad.status == 400
         assert "codec" in (await bad.json())["error"]["message"]  # named before anything is set up
         await pc.close()
+
+
+async def test_user_events_reach_server_sent_events():
+    pcm, _ = caller_clip([0.5, QUESTION, 1.0])
+    async with server_and_caller(pcm, barge_in="off") as (server, call):
+        async with aiohttp.ClientSession() as session:
+            resp = await session.get(f"{server.url}/v1/calls/{call.call_id}/events")
+            seen: list[str] = []
+
+            async def read() -> None:
+                async for line in resp.content:
+                    if line.startswith(b"event: "):
+                        seen.append(line[7:].decode().strip())
+                        if seen[-1] == "user.speech.stopped":
+                            return
+
+            await asyncio.wait_for(read(), 20)
+            resp.close()
+        assert seen[:2] == ["user.speech.started", "user.speech.stopped"]

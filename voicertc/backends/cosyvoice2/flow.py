@@ -223,9 +223,12 @@ class CausalFlow(nn.Module):
             spks=spks,
             prompt_feat=prompt_feat.to(weight),
             pending_prompt=prompt_tokens,
-            encoder=self.encoder.new_cache(reserve_tokens),
+            encoder=self._new_encoder_cache(reserve_tokens),
             estimator=estimator,
         )
+
+    def _new_encoder_cache(self, reserve_tokens: int) -> EncoderCache:
+        return self.encoder.new_cache(reserve_tokens)
 
     def _chunk(self, state: FlowStreamState, tokens: Tensor, finalize: bool, check_grid: bool) -> _Chunk:
         if state.finished:

@@ -39,9 +39,16 @@ def cosine_t_span(n_timesteps: int, dtype: torch.dtype = torch.float32) -> Tenso
 class CausalConditionalCFM(nn.Module):
     """Holds the estimator (checkpoint prefix `decoder.estimator`) and runs the Euler sampler."""
 
-    def __init__(self, cfg: EstimatorConfig, n_timesteps: int, cfg_rate: float) -> None:
+    def __init__(
+        self, cfg: EstimatorConfig | None, n_timesteps: int, cfg_rate: float, estimator: nn.Module | None = None
+    ) -> None:
+        """`estimator` replaces the UNet built from `cfg` (CosyVoice3 passes its DiT, same call signature)."""
         super().__init__()
-        self.estimator = CausalConditionalDecoder(cfg)
+        if estimator is None:
+            if cfg is None:
+                raise ValueError("CausalConditionalCFM needs an estimator config or an estimator")
+            estimator = CausalConditionalDecoder(cfg)
+        self.estimator = estimator
         self.n_timesteps = n_timesteps
         self.cfg_rate = cfg_rate
         # an exported graph runner with the estimator's call signature (`[engine] estimator`); None = eager

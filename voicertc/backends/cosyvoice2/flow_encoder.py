@@ -179,13 +179,16 @@ class ConformerLayer(nn.Module):
 
 
 class PreLookaheadLayer(nn.Module):
-    """conv1 (k=4, looks 3 tokens ahead) -> leaky ReLU -> causal conv2 (k=3) -> residual."""
+    """conv1 (k=4, looks 3 tokens ahead) -> leaky ReLU -> causal conv2 (k=3) -> residual.
 
-    def __init__(self, dim: int, lookahead_tokens: int) -> None:
+    `channels`: conv1's output width (CosyVoice3: 80 -> 1024 -> 80); default `dim` (CosyVoice2)."""
+
+    def __init__(self, dim: int, lookahead_tokens: int, channels: int | None = None) -> None:
         super().__init__()
+        hidden = dim if channels is None else channels
         self.lookahead_tokens = lookahead_tokens
-        self.conv1 = nn.Conv1d(dim, dim, lookahead_tokens + 1)
-        self.conv2 = nn.Conv1d(dim, dim, 3)
+        self.conv1 = nn.Conv1d(dim, hidden, lookahead_tokens + 1)
+        self.conv2 = nn.Conv1d(hidden, dim, 3)
 
     def forward(self, x: Tensor, context: Tensor | None, cache: EncoderCache) -> Tensor:
         # x: [1, T, D] new tokens, context: [1, lookahead, D] or None (= end of utterance) -> [1, T, D]

@@ -94,6 +94,9 @@ class _Batch:
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
+RowBatch = _Batch  # the public name (CosyVoice3's DiT runs on the same row groups and caches)
+
+
 class CausalConv1d(nn.Conv1d):
     """Conv1d fed with its (kernel-1) previous input frames from the cache instead of zero padding."""
 

@@ -144,6 +144,9 @@ class PrefixCache:
 class Qwen2LM(nn.Module):
     """The official `Qwen2LM` state-dict layout with step-able inference."""
 
+    stop_ids: frozenset[int] = STOP_IDS  # a sampled id in here ends the utterance
+    min_len_ban_ids: tuple[int, ...] = (EOS_ID,)  # masked while fewer than min_len tokens are out
+
     def __init__(self, config: LlmConfig) -> None:
         super().__init__()
         self.config = config
@@ -311,7 +314,7 @@ class Qwen2LM(nn.Module):
         """Pick the next token from `session.logits` (the input fed); see `step`."""
         assert session.logits is not None
         if force is None:
-            ban = (EOS_ID,) if session.step_index < session.min_len else ()
+            ban = self.min_len_ban_ids if session.step_index < session.min_len else ()
             token = sample_token(
                 session.logits,
                 session.out_tokens,
@@ -322,7 +325,7 @@ class Qwen2LM(nn.Module):
             )
         else:
             token = int(force)
-        if token in STOP_IDS:
+        if token in self.stop_ids:
             session.finished = True
             return None
         session.out_tokens.append(token)
@@ -374,12 +377,15 @@ def build_llm(
     source_name: str,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    cls: type[Qwen2LM] | None = None,
 ) -> Qwen2LM:
-    """Construct on the meta device (no random init of ~0.5 B parameters), then load `state_dict`."""
+    """Construct on the meta device (no random init of ~0.5 B parameters), then load `state_dict`.
+
+    `cls`: the module class (default `Qwen2LM`; CosyVoice3 passes its own)."""
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
     with torch.device("meta"):
-        module = Qwen2LM(config)
+        module = (cls or Qwen2LM)(config)
     check_state_dict(module, state_dict, source_name)
     module = module.to_empty(device=device)
     backbone = module.llm.model.model

@@ -47,6 +47,8 @@ _CJK = re.compile(r"[\u4e00-\u9fff]")
 class TextTokenizer:
     """`get_qwen_tokenizer(..., version='cosyvoice2')`: HF tokenizer + CosyVoice2 special tokens."""
 
+    SPECIAL_TOKENS: tuple[str, ...] = V2_SPECIAL_TOKENS  # added in this order (CosyVoice3 adds more)
+
     def __init__(self, blanken_dir: str | Path) -> None:
         from transformers import AutoTokenizer
 
@@ -64,7 +66,7 @@ class TextTokenizer:
             {
                 "eos_token": "<|endoftext|>",
                 "pad_token": "<|endoftext|>",
-                "additional_special_tokens": list(V2_SPECIAL_TOKENS),
+                "additional_special_tokens": list(self.SPECIAL_TOKENS),
             }
         )
         self.endofprompt_id = self.hf.convert_tokens_to_ids(ENDOFPROMPT)
@@ -242,6 +244,8 @@ def text_normalize(text: str, tokenize: Callable[[str], Sequence[int]], split: b
 class TextFrontend:
     """Tokenizer + normalisation of one model directory; the tokenizer is built on first use."""
 
+    tokenizer_class: type[TextTokenizer] = TextTokenizer
+
     def __init__(self, blanken_dir: str | Path) -> None:
         self.blanken_dir = Path(blanken_dir)
         self._tokenizer: TextTokenizer | None = None
@@ -249,7 +253,7 @@ class TextFrontend:
     @property
     def tokenizer(self) -> TextTokenizer:
         if self._tokenizer is None:
-            self._tokenizer = TextTokenizer(self.blanken_dir)
+            self._tokenizer = self.tokenizer_class(self.blanken_dir)
         return self._tokenizer
 
     def encode(self, text: str) -> list[int]:

@@ -1,0 +1,102 @@
+"""Token2WavStream for CosyVoice3: CosyVoice2's scheduling and incremental flow, v3's incremental HiFT.
+
+The chunk plan, the flow step (K/V caches, batched estimator) and the bookkeeping are CosyVoice2's
+`Token2WavStream`. The vocoder differs: upstream v3 keeps the whole mel history and re-runs HiFT over
+it for every chunk, emitting the new samples; here the causal HiFT runs incrementally
+(`CausalHiFTGenerator.step`) and emits exactly those samples: after a non-final chunk the stream has
+emitted 480 x (mel frames so far - 8) samples, after `finish()` 480 x all frames.
+
+Final chunk (`final_chunk`): "masked" (default) keeps the chunk masks and costs the chunk only (the
+whole mel is the chunk-masked whole-utterance mel); "reference" re-runs the flow over every token with
+full attention and keeps the new frames, as upstream does (bit-compatible with its records, O(n) once).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from voicertc.backends.cosyvoice2.flow import CausalFlow, FlowStreamState
+from voicertc.backends.cosyvoice2.token2wav import Chunk, ChunkPlan, Token2WavStream
+from voicertc.backends.cosyvoice3.hift import CausalHiFTGenerator, HiftStreamState
+from voicertc.engine.schedule import ChunkSchedule
+
+logger = logging.getLogger(__name__)
+
+FinalChunk = Literal["masked", "reference"]
+FINAL_CHUNK_MODES = ("masked", "reference")
+
+
+@dataclass
+class Token2WavStreamV3(Token2WavStream):
+    """Per-utterance streaming token2wav for CosyVoice3 (engine thread; `release()` frees every cache)."""
+
+    hift: CausalHiFTGenerator  # type: ignore[assignment]
+    hift_state: HiftStreamState | None = field(default_factory=HiftStreamState)  # type: ignore[assignment]
+    final_chunk: FinalChunk = "masked"
+    prompt: tuple[Tensor, Tensor, Tensor] | None = None  # (prompt tokens, prompt mel, embedding)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.final_chunk not in FINAL_CHUNK_MODES:
+            raise ValueError(f"final_chunk must be one of {FINAL_CHUNK_MODES}, got {self.final_chunk!r}")
+        if self.final_chunk == "reference" and self.prompt is None:
+            raise ValueError("final_chunk='reference' needs the voice prompt (open the stream from a voice)")
+
+    def run(self, plan: ChunkPlan) -> Chunk:
+        if not (plan.final and self.final_chunk == "reference"):
+            return super().run(plan)
+        assert self.flow_state is not None and self.prompt is not None
+        started = time.perf_counter()
+        tokens = torch.tensor([self.tokens], dtype=torch.long)
+        prompt_tokens, prompt_feat, embedding = self.prompt
+        device = self.flow.input_embedding.weight.device
+        mel = self.flow.infer(
+            tokens.to(device), prompt_tokens.to(device), prompt_feat.to(device), embedding.to(device),
+            streaming=False, finalize=True,
+        )[:, :, self.flow.cfg.token_mel_ratio * self.emitted_tokens :]  # fmt: skip
+        self.flow_state.finished = True
+        return self.complete(plan, mel, time.perf_counter() - started)
+
+    def complete(self, plan: ChunkPlan, mel: Tensor, flow_s: float = 0.0) -> Chunk:
+        """Vocode the chunk's mel incrementally and advance the stream."""
+        # mel: [1, 80, F] -> Chunk with pcm: the samples final now
+        if self.hift_state is None:
+            raise ValueError("this token2wav stream is released")
+        started = time.perf_counter()
+        source = self.source_fn(self.chunk_index) if self.source_fn is not None else None
+        pcm, _ = self.hift.step(mel.float(), self.hift_state, final=plan.final, source=source)
+        chunk = Chunk(self.chunk_index, mel, self.pcm_to_host(pcm[0]), plan.final, flow_s=flow_s)
+        chunk.vocoder_s = time.perf_counter() - started
+        self.emitted_tokens = plan.end_tokens
+        self.chunk_index += 1
+        if plan.final:
+            self.finished = True
+            self.release()
+        logger.debug("v3 token2wav chunk %d: %d frames, final=%s", chunk.index, mel.shape[2], plan.final)
+        return chunk
+
+
+def open_stream_v3(
+    flow: CausalFlow,
+    hift: CausalHiFTGenerator,
+    voice_state: FlowStreamState,
+    prompt: tuple[Tensor, Tensor, Tensor],
+    schedule: ChunkSchedule,
+    **options: object,
+) -> Token2WavStreamV3:
+    """A fresh stream starting at the voice's cached prompt state (cloned, never shared)."""
+    return Token2WavStreamV3(
+        flow=flow,
+        hift=hift,
+        schedule=schedule,
+        flow_state=voice_state.clone(),
+        prompt_tokens=int(prompt[0].shape[1]),
+        prompt=prompt,
+        **options,  # type: ignore[arg-type]
+    )

@@ -143,3 +143,56 @@ def tts_golden(golden_dir):
     from safetensors.torch import load_file
 
     return load_file(golden_dir / "cv2_tts_tiny_flow_tiny_hift.safetensors")
+
+
+# --- CosyVoice3: the tiny official-layout v3 directory and its golden records (tests/test_cv3_*.py) --
+
+
+@pytest.fixture(scope="session")
+def cv3_golden_dir(golden_dir) -> Path:
+    path = golden_dir / "cv3"
+    assert path.is_dir(), f"CosyVoice3 reference vectors not found at {path}"
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_cv3_model_dir(tmp_path_factory, cv3_golden_dir) -> Path:
+    """The tiny CosyVoice3 directory of golden/cv3/, checkpoints rebuilt with the golden tools."""
+    out = tmp_path_factory.mktemp("cv3_tiny")
+    shutil.copy(cv3_golden_dir / "model_dir" / "cosyvoice3.yaml", out / "cosyvoice3.yaml")
+    (out / "CosyVoice-BlankEN").mkdir()
+    shutil.copy(cv3_golden_dir / "model_dir" / "CosyVoice-BlankEN" / "config.json", out / "CosyVoice-BlankEN")
+    subprocess.run(
+        [sys.executable, str(cv3_golden_dir / "make_model_dir.py"), str(out), "--from", str(cv3_golden_dir)],
+        check=True,
+        capture_output=True,
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def cv3_model(tiny_cv3_model_dir):
+    """The tiny v3 model with the reference's HiFT noise buffers injected (hift_whole.safetensors)."""
+    from safetensors.torch import load_file
+
+    from voicertc.backends.cosyvoice3 import load
+
+    model = load(tiny_cv3_model_dir)
+    whole = load_file(GOLDEN / "cv3" / "hift_whole.safetensors")
+    model.hift.set_noise(whole["buf_rand_ini"], whole["buf_sine_waves_prefix"])
+    return model
+
+
+@pytest.fixture(scope="session")
+def cv3_records():
+    """name -> the tensors of golden/cv3/<name> (loaded once per session)."""
+    from safetensors.torch import load_file
+
+    cache: dict[str, dict] = {}
+
+    def get(name: str) -> dict:
+        if name not in cache:
+            cache[name] = load_file(GOLDEN / "cv3" / name)
+        return cache[name]
+
+    return get

@@ -40,7 +40,11 @@ class CausalConditionalCFM(nn.Module):
     """Holds the estimator (checkpoint prefix `decoder.estimator`) and runs the Euler sampler."""
 
     def __init__(
-        self, cfg: EstimatorConfig | None, n_timesteps: int, cfg_rate: float, estimator: nn.Module | None = None
+        self,
+        cfg: EstimatorConfig | None,
+        n_timesteps: int,
+        cfg_rate: float,
+        estimator: nn.Module | None = None,
     ) -> None:
         """`estimator` replaces the UNet built from `cfg` (CosyVoice3 passes its DiT, same call signature)."""
         super().__init__()

@@ -19,7 +19,14 @@ _EXPORTS = {
     "Token2WavStreamV3": "token2wav",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "CausalFlowV3",
+    "CausalHiFTGenerator",
+    "CosyVoice3LM",
+    "CosyVoice3Model",
+    "Token2WavStreamV3",
+    "load",
+]
 
 if TYPE_CHECKING:
     from voicertc.backends.cosyvoice3.flow import CausalFlowV3

@@ -157,7 +157,9 @@ def _check(
     if _int(look, "in_channels", "flow.pre_lookahead_layer") != cfg.input_size:
         raise ModelDirError(f"{_where('flow.pre_lookahead_layer', 'in_channels')} must equal flow.input_size")
     if _int(look, "pre_lookahead_len", "flow.pre_lookahead_layer", 1) != cfg.pre_lookahead_tokens:
-        raise ModelDirError(f"{_where('flow.pre_lookahead_layer', 'pre_lookahead_len')} != flow.pre_lookahead_len")
+        raise ModelDirError(
+            f"{_where('flow.pre_lookahead_layer', 'pre_lookahead_len')} != flow.pre_lookahead_len"
+        )
     if est.mu_dim != cfg.input_size or est.mel_dim != cfg.mel_bins or est.spk_dim != cfg.mel_bins:
         raise ModelDirError(
             f"{YAML_NAME}: flow.decoder.estimator mu_dim / mel_dim / spk_dim must be "
@@ -168,7 +170,9 @@ def _check(
     if _int(decoder, "spk_emb_dim", "flow.decoder", cfg.mel_bins) != cfg.mel_bins:
         raise ModelDirError(f"{_where('flow.decoder', 'spk_emb_dim')} must equal flow.output_size")
     if est.dim % CONV_POS_GROUPS:
-        raise ModelDirError(f"{_where('flow.decoder.estimator', 'dim')} must be a multiple of {CONV_POS_GROUPS}")
+        raise ModelDirError(
+            f"{_where('flow.decoder.estimator', 'dim')} must be a multiple of {CONV_POS_GROUPS}"
+        )
     if est.static_chunk_size_frames % cfg.token_mel_ratio or cfg.chunk_tokens < 1:
         raise ModelDirError(
             f"{_where('flow.decoder.estimator', 'static_chunk_size')} must be a positive multiple of "

@@ -157,7 +157,9 @@ class FeedForward(nn.Module):
         super().__init__()
         inner = dim * mult
         self.ff = nn.Sequential(
-            nn.Sequential(nn.Linear(dim, inner), nn.GELU(approximate="tanh")), nn.Dropout(0.0), nn.Linear(inner, dim)
+            nn.Sequential(nn.Linear(dim, inner), nn.GELU(approximate="tanh")),
+            nn.Dropout(0.0),
+            nn.Linear(inner, dim),
         )
 
     def forward(self, x: Tensor) -> Tensor:
@@ -217,7 +219,9 @@ class DiT(nn.Module):
             elif isinstance(module, DiTAttention):
                 module.slot, attn_slot = attn_slot, attn_slot + 1
 
-    def _rope(self, caches: list[EstimatorCache], rows: int, frames: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def _rope(
+        self, caches: list[EstimatorCache], rows: int, frames: int, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor]:
         # -> cos, sin: [1 or B, T, dim_head], each row group at its own absolute start frame
         starts = [c.frames for c in caches]
         if len(set(starts)) == 1:

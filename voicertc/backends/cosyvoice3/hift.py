@@ -65,7 +65,9 @@ class HiftV3Config(HiftConfig):
                 "istft_n_fft": int(node["istft_params"]["n_fft"]),
                 "istft_hop": int(node["istft_params"]["hop_len"]),
                 "resblock_kernel_sizes": tuple(int(v) for v in node["resblock_kernel_sizes"]),
-                "resblock_dilation_sizes": tuple(tuple(int(v) for v in r) for r in node["resblock_dilation_sizes"]),
+                "resblock_dilation_sizes": tuple(
+                    tuple(int(v) for v in r) for r in node["resblock_dilation_sizes"]
+                ),
                 "source_resblock_kernel_sizes": tuple(int(v) for v in node["source_resblock_kernel_sizes"]),
                 "source_resblock_dilation_sizes": tuple(
                     tuple(int(v) for v in r) for r in node["source_resblock_dilation_sizes"]
@@ -95,6 +97,7 @@ class HiftStreamState:
     tails: dict[int, Tensor] = field(default_factory=dict)
     pending: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
     source_samples: int = 0  # excitation samples made (or taken from an injected source)
+    stft_head: Tensor | None = None  # [1, <= 8] first excitation samples, before the start padding
     stft_tail: Tensor | None = None  # [1, S] excitation samples from the next STFT window's start
     reflected: bool = False
     ola: Tensor | None = None
@@ -221,7 +224,9 @@ class CausalHiFTGenerator(nn.Module):
         strides = list(reversed([math.prod(rates[: i + 1]) for i in range(stages)]))
         stft_ch = c.istft_n_fft + 2
         self.source_downs = nn.ModuleList(
-            StreamConv1d(stft_ch, ch, 1) if s == 1 else StreamConv1d(stft_ch, ch, 2 * s, stride=s, left_pad=s - 1)
+            StreamConv1d(stft_ch, ch, 1)
+            if s == 1
+            else StreamConv1d(stft_ch, ch, 2 * s, stride=s, left_pad=s - 1)
             for ch, s in zip(channels[1:], strides, strict=True)
         )
         self.source_resblocks = nn.ModuleList(
@@ -257,7 +262,9 @@ class CausalHiFTGenerator(nn.Module):
     # ---- whole call (the reference `inference`) --------------------------------------------------
 
     @torch.inference_mode()
-    def infer(self, mel: Tensor, *, finalize: bool = True, source: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def infer(
+        self, mel: Tensor, *, finalize: bool = True, source: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Vocode a whole mel; `source` [1, 1, L] injects the excitation instead of f0 + NSF.
 
         -> (wav [1, T*480] or [1, (T-8)*480] when not `finalize`, source [1, 1, T*480 or (T-3)*480])."""
@@ -314,9 +321,12 @@ class CausalHiFTGenerator(nn.Module):
         # excitation: [1, 1, S] new samples -> real ‖ imag columns complete now [1, n_fft + 2, m]
         n_fft, hop = self.config.istft_n_fft, self.config.istft_hop
         x = excitation[:, 0]
-        if state.stft_tail is None:
+        if state.stft_tail is None:  # the stream start is reflect-padded once enough samples exist
+            if state.stft_head is not None:
+                x = torch.cat([state.stft_head, x], dim=1)
             if x.shape[1] <= n_fft // 2:
-                raise ValueError("the first HiFT call needs more than 8 excitation samples")
+                state.stft_head = x
+                return x.new_zeros(1, n_fft + 2, 0)
             x = F.pad(x[:, None], (n_fft // 2, 0), mode="reflect")[:, 0]
         else:
             x = torch.cat([state.stft_tail, x], dim=1)
@@ -366,8 +376,11 @@ class CausalHiFTGenerator(nn.Module):
         magnitude = torch.exp(x[:, :bins]).clamp(max=1e2)
         phase = torch.sin(x[:, bins:])
         spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        frames = torch.fft.irfft(spec, n=n_fft, dim=1) * self.stft_window[None, :, None]  # [1, n_fft, m]
-        m = frames.shape[2]
+        m = spec.shape[2]
+        if m:
+            frames = torch.fft.irfft(spec, n=n_fft, dim=1) * self.stft_window[None, :, None]  # [1, n_fft, m]
+        else:
+            frames = x.new_zeros(1, n_fft, 0)
         first = state.istft_frames * hop  # position of the first new frame's first sample
         end = (state.istft_frames + m - 1) * hop + n_fft if m else first + n_fft - hop
         start = state.ola_start
@@ -394,11 +407,19 @@ class CausalHiFTGenerator(nn.Module):
         return out[:, skip:]
 
 
-def load_hift_v3_state_dict(module: CausalHiFTGenerator, state_dict: dict[str, Tensor], source_name: str) -> None:
+def load_hift_v3_state_dict(
+    module: CausalHiFTGenerator, state_dict: dict[str, Tensor], source_name: str
+) -> None:
     """Fold weight norm and load an official v3 `hift.pt` strictly; the f0 predictor is folded and kept
     in float64 (the reference converts it to float64 on its first call)."""
     from voicertc.backends.cosyvoice2.checkpoint import check_layout
-    from voicertc.backends.cosyvoice2.hift_weights import _G, _V, _official_names, fold_weight_norm, official_layout
+    from voicertc.backends.cosyvoice2.hift_weights import (
+        _G,
+        _V,
+        _official_names,
+        fold_weight_norm,
+        official_layout,
+    )
 
     found = _official_names(state_dict)
     check_layout(found, official_layout(module), source_name, "HiFT built from cosyvoice3.yaml")  # type: ignore[arg-type]

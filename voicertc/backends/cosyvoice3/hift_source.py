@@ -44,7 +44,9 @@ class NoiseBuffers:
         if rand_ini.shape != (1, self.harmonics):
             raise ValueError(f"rand_ini must have shape [1, {self.harmonics}], got {list(rand_ini.shape)}")
         if sine_waves.dim() != 3 or sine_waves.shape[0] != 1 or sine_waves.shape[2] != self.harmonics:
-            raise ValueError(f"sine_waves must have shape [1, L, {self.harmonics}], got {list(sine_waves.shape)}")
+            raise ValueError(
+                f"sine_waves must have shape [1, L, {self.harmonics}], got {list(sine_waves.shape)}"
+            )
         self.rand_ini = rand_ini.detach().float().cpu().clone()
         self.sine_waves = sine_waves.detach().float().cpu().contiguous()
 
@@ -56,7 +58,9 @@ class NoiseBuffers:
                     f"the injected HiFT noise covers {self.sine_waves.shape[1]} samples; {end} are needed"
                 )
             return self.sine_waves[:, start:end]
-        parts = [self._block_at(b) for b in range(start // NOISE_BLOCK_SAMPLES, -(-end // NOISE_BLOCK_SAMPLES))]
+        parts = [
+            self._block_at(b) for b in range(start // NOISE_BLOCK_SAMPLES, -(-end // NOISE_BLOCK_SAMPLES))
+        ]
         joined = torch.cat(parts, dim=1) if parts else torch.zeros(1, 0, self.harmonics)
         offset = start - (start // NOISE_BLOCK_SAMPLES) * NOISE_BLOCK_SAMPLES
         return joined[:, offset : offset + end - start]
@@ -106,11 +110,12 @@ class CausalSourceModule(nn.Module):
         if sums.shape[1]:
             state.phase_sum = sums[:, -1:]
         phase = sums.to(rad_frames.dtype) * 2 * np.pi
-        phase = F.interpolate(phase.transpose(1, 2) * scale, scale_factor=scale, mode="nearest").transpose(1, 2)
+        phase = F.interpolate(phase.transpose(1, 2) * scale, scale_factor=scale, mode="nearest").transpose(
+            1, 2
+        )
         sines = torch.sin(phase) * p.sine_amp
         uv = (f0_up > p.voiced_threshold_hz).to(torch.float32)
         noise_amp = uv * p.noise_std + (1 - uv) * p.sine_amp / 3
         noise = noise_amp * self.buffers_.noise(start, start + f0_up.shape[1]).to(f0_up.device)
         state.frames += f0.shape[1]
         return torch.tanh(self.l_linear(sines * uv + noise)).transpose(1, 2)
-

@@ -95,7 +95,12 @@ class CosyVoice3Model(CosyVoice2Model):
 
         prompt = (voice.flow_prompt_tokens, voice.prompt_feat, voice.embedding)
         return open_stream_v3(
-            self.flow, self.hift, voice.flow_state, prompt, schedule or ChunkSchedule(), **options  # type: ignore[arg-type]
+            self.flow,
+            self.hift,
+            voice.flow_state,
+            prompt,
+            schedule or ChunkSchedule(),
+            **options,  # type: ignore[arg-type]
         )
 
 
@@ -106,9 +111,8 @@ def _check_directory(model_dir: Path) -> Path:
     if not yaml_path.is_file():
         for name, version in OTHER_VERSIONS.items():
             if (model_dir / name).is_file():
-                raise ModelDirError(
-                    f"{model_dir / name}: this is a {version} model directory; expected {YAML_NAME} (CosyVoice3)"
-                )
+                found = model_dir / name
+                raise ModelDirError(f"{found}: this is a {version} model directory; expected {YAML_NAME}")
         raise ModelDirError(f"{yaml_path}: not found; not a CosyVoice3 model directory")
     missing = [str(model_dir / name) for name in REQUIRED_FILES if not (model_dir / name).is_file()]
     if missing:
@@ -161,4 +165,3 @@ def load(
         "loaded CosyVoice3 from %s on %s (%s), %d sft voices", model_dir, device, dtype, len(model.sft_voices)
     )
     return model
-

@@ -28,8 +28,8 @@ NOISE_BLOCK_SAMPLES = 24000
 class NoiseBuffers:
     """`rand_ini` [1, H] and the uniform noise [1, L, H] by absolute sample position.
 
-    Injected buffers (`set`) are used as given (a stream longer than them fails, naming the lengths);
-    otherwise seeded uniform blocks of one second are drawn on demand (memory stays bounded)."""
+    Injected buffers (`set`) are used as given; otherwise (and beyond an injected prefix) seeded uniform
+    blocks of one second are drawn on demand, so memory stays bounded."""
 
     def __init__(self, harmonics: int, seed: int = DEFAULT_NOISE_SEED) -> None:
         self.harmonics = harmonics
@@ -53,11 +53,14 @@ class NoiseBuffers:
     def noise(self, start: int, end: int) -> Tensor:
         """Noise samples [start, end) as [1, end - start, H] (CPU float32)."""
         if self.sine_waves is not None:
-            if end > self.sine_waves.shape[1]:
-                raise ValueError(
-                    f"the injected HiFT noise covers {self.sine_waves.shape[1]} samples; {end} are needed"
-                )
-            return self.sine_waves[:, start:end]
+            injected = self.sine_waves.shape[1]
+            if end <= injected:
+                return self.sine_waves[:, start:end]
+            if start < injected:  # an injected prefix (the reference's is 300 s) continues with our own
+                return torch.cat([self.sine_waves[:, start:], self._generated(injected, end)], dim=1)
+        return self._generated(start, end)
+
+    def _generated(self, start: int, end: int) -> Tensor:
         parts = [
             self._block_at(b) for b in range(start // NOISE_BLOCK_SAMPLES, -(-end // NOISE_BLOCK_SAMPLES))
         ]

@@ -24,7 +24,7 @@ def test_loads_the_tiny_official_directory(cv3_model, tiny_cv3_model_dir):
     assert cv3_model.flow.cfg.chunk_tokens == 25 and cv3_model.flow.cfg.estimator.depth == 2
     assert cv3_model.hift.f0_predictor.classifier.weight.dtype == torch.float64
     assert next(cv3_model.llm.parameters()).dtype == torch.float32
-    assert cv3_model.sft_voices == {}
+    assert cv3_model.spk2info == {}
 
 
 def test_every_missing_file_is_named(tiny_cv3_model_dir, tmp_path):

@@ -24,7 +24,7 @@ from voicertc.backends.cosyvoice2.llm import LlmConfig, build_llm
 from voicertc.backends.cosyvoice2.loader import (
     BLANKEN_DIR,
     CosyVoice2Model,
-    _load_sft_voices,
+    _load_spk2info,
     _load_weights,
 )
 from voicertc.backends.cosyvoice2.onnx_frontends import SpeechTokenizer
@@ -131,11 +131,17 @@ def _check_tags(config: dict[str, Any], yaml_path: Path) -> None:
 
 
 def load(
-    model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    model_dir: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    check_frontend: bool = False,
 ) -> CosyVoice3Model:
     """Load an official-layout CosyVoice3 directory; flow in `dtype`; LLM and HiFT in float32.
 
-    The LLM stays float32 whatever `dtype` says: upstream's fp16/bf16 LLM produces NaNs."""
+    The LLM stays float32 whatever `dtype` says: upstream's fp16/bf16 LLM produces NaNs. With
+    `check_frontend` (what the engine uses) the tokenizer, `speech_tokenizer_v3.onnx` and
+    `campplus.onnx` are opened and smoke-run now, naming a missing or broken file."""
     model_dir = Path(model_dir)
     device = torch.device(device)
     yaml_path = _check_directory(model_dir)
@@ -157,11 +163,19 @@ def load(
         llm=llm,
         flow=flow.to(device=device, dtype=dtype).eval(),
         hift=hift.to(device=device).eval(),  # type: ignore[arg-type]
-        sft_voices=_load_sft_voices(model_dir / "spk2info.pt"),
+        spk2info=_load_spk2info(model_dir / "spk2info.pt"),
         device=device,
         dtype=dtype,
     )
+    if check_frontend:
+        from voicertc.backends.cosyvoice2.frontend_checks import check_frontend as run_checks
+
+        run_checks(model)
     logger.info(
-        "loaded CosyVoice3 from %s on %s (%s), %d sft voices", model_dir, device, dtype, len(model.sft_voices)
+        "loaded CosyVoice3 from %s on %s (%s), %d spk2info entries",
+        model_dir,
+        device,
+        dtype,
+        len(model.spk2info),
     )
     return model

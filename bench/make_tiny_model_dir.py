@@ -3,6 +3,8 @@
     .venv/bin/python -m bench.make_tiny_model_dir OUT
     make serve ARGS="--engine cosyvoice2 --model-dir OUT"
 
+(`--version 3` writes the tiny Fun-CosyVoice3 directory instead: `bench/make_tiny_cv3_model_dir.py`.)
+
 Everything is written as real files into OUT (~60 MB, a few seconds):
 - `cosyvoice2.yaml`, `CosyVoice-BlankEN/config.json` of golden `model_dir/` and the golden tiny
   checkpoints `llm.pt`, `flow.pt`, `hift.pt`, `CosyVoice-BlankEN/model.safetensors` (golden
@@ -171,8 +173,14 @@ def main() -> None:
     parser.add_argument(
         "--tokenizer", choices=("real", "tiny"), default="real", help="Qwen2 vocab or tiny BPE"
     )
+    parser.add_argument("--version", type=int, choices=(2, 3), default=2, help="CosyVoice2 (2) or 3")
     args = parser.parse_args()
-    make_tiny_model_dir(args.out, tokenizer=args.tokenizer)
+    if args.version == 3:
+        from bench.make_tiny_cv3_model_dir import make_tiny_cv3_model_dir
+
+        make_tiny_cv3_model_dir(args.out)
+    else:
+        make_tiny_model_dir(args.out, tokenizer=args.tokenizer)
     print(args.out)
 
 

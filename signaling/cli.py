@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="TCP port (server.port); 0 picks a free one")
     serve.add_argument("--engine", choices=BACKENDS + ENGINE_KINDS, help="engine backend (engine.backend)")
     serve.add_argument("--model", choices=BACKENDS, help="model with --engine local|ray (engine.model)")
-    serve.add_argument("--model-dir", help="CosyVoice2 model directory (engine.model_dir)")
+    serve.add_argument("--model-dir", help="CosyVoice2 / CosyVoice3 model directory (engine.model_dir)")
     from voicertc.export.cli import add_commands
 
     add_commands(commands)

@@ -44,6 +44,8 @@ def test_values_are_read_and_typed(tmp_path):
         ("[engine]\nworkers = 0\n", "engine.workers"),
         ("[engine]\nmax_batch = 0\n", "engine.max_batch"),
         ("[engine]\nbackend = 'cosyvoice2'\nmodel_dir = 'm'\nworkers = 2\n", "engine.workers"),
+        ("[engine]\nbackend = 'cosyvoice3'\n", "engine.model_dir"),
+        ("[engine]\nbackend = 'cosyvoice3'\nmodel_dir = 'm'\nworkers = 2\n", "engine.workers"),
         ("[schedule]\nmax_hop_tokens = 10\n", "schedule.max_hop_tokens"),
         ("[schedule]\ngrid_tokens = -25\n", "schedule.grid_tokens"),
         ("[schedule]\nfinal_chunk = 'full'\n", "schedule.final_chunk"),

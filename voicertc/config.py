@@ -52,7 +52,7 @@ class WebRTCConfig:
         _check(0 <= self.trim_leading_silence_ms <= 1000, "webrtc.trim_leading_silence_ms", "must be 0..1000")
 
 
-BACKENDS = ("piper", "fake", "cosyvoice2")  # the models an engine can run (in-process or on a replica)
+BACKENDS = ("piper", "fake", "cosyvoice2", "cosyvoice3")  # the models an engine runs (in-process or replica)
 ENGINE_KINDS = ("local", "ray")  # where the engine runs; `engine.model` names the model then
 
 
@@ -115,9 +115,10 @@ class EngineConfig:
             "must be torch, onnx or tensorrt",
         )
         _check(self.llm in ("torch", "vllm"), "engine.llm", "must be torch or vllm")
-        if self.model_name == "cosyvoice2":
-            _check(bool(self.model_dir), "engine.model_dir", "is required for model cosyvoice2")
-            _check(self.workers == 1, "engine.workers", "must be 1 for cosyvoice2 (one owner of the device)")
+        if self.model_name in ("cosyvoice2", "cosyvoice3"):
+            name = self.model_name
+            _check(bool(self.model_dir), "engine.model_dir", f"is required for model {name}")
+            _check(self.workers == 1, "engine.workers", f"must be 1 for {name} (one owner of the device)")
 
 
 @dataclass(frozen=True)

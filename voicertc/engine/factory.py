@@ -35,9 +35,12 @@ def backend_factory(config: Config) -> Callable[[], Backend]:
             piece_phonemes=config.engine.piper_piece_phonemes,
         )
     try:
-        from voicertc.backends.cosyvoice2.engine_backend import create_backend
+        if kind == "cosyvoice3":
+            from voicertc.backends.cosyvoice3.engine_backend import create_backend
+        else:
+            from voicertc.backends.cosyvoice2.engine_backend import create_backend  # type: ignore[assignment]
     except ImportError as exc:
-        raise ConfigError(f"engine model 'cosyvoice2' needs the cosyvoice extra: {exc}") from exc
+        raise ConfigError(f"engine model {kind!r} needs the cosyvoice extra: {exc}") from exc
     return lambda: create_backend(config)  # type: ignore[return-value]
 
 

@@ -11,6 +11,7 @@ decoding, RAS / greedy sampling — is inherited):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -26,6 +27,9 @@ from voicertc.backends.cosyvoice2.llm import (
     qwen2_config,
 )
 from voicertc.backends.cosyvoice2.sampling import SamplingMode
+
+if TYPE_CHECKING:
+    from voicertc.backends.cosyvoice2.llm_batch import KVSlot
 
 SPEECH_TOKEN_SIZE = 6561
 SOS_ID = SPEECH_TOKEN_SIZE  # 6561
@@ -66,6 +70,7 @@ class CosyVoice3LM(Qwen2LM):
         sampling: SamplingMode = "ras",
         generator: torch.Generator | None = None,
         prefix: PrefixCache | None = None,
+        kv: KVSlot | None = None,
     ) -> LlmSession:
         """As CosyVoice2's, after checking that `<|endofprompt|>` is in prompt text ++ text."""
         ids = [*self.check_text_ids(prompt_text_tokens), *self.check_text_ids(text_tokens)]
@@ -81,4 +86,5 @@ class CosyVoice3LM(Qwen2LM):
             sampling=sampling,
             generator=generator,
             prefix=prefix,
+            kv=kv,
         )

@@ -1,0 +1,133 @@
+"""The cosyvoice3 backend behind the real EngineWorker on the tiny v3 directory
+(`bench.make_tiny_model_dir --version 3`): whole text and text deltas speak with one Done, the prompt
+always carries `<|endofprompt|>`, voice registration, and the factory builds it from the config."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+from engine_helpers import EventLog, RecordingSink
+
+from bench.make_tiny_cv3_model_dir import make_tiny_cv3_model_dir
+from bench.make_tiny_model_dir import SFT_VOICE
+from voicertc.backends.cosyvoice2.engine_backend import BackendOptions
+from voicertc.backends.cosyvoice3 import load
+from voicertc.backends.cosyvoice3.engine_backend import CosyVoice3Backend, v3_prompt
+from voicertc.backends.cosyvoice3.llm import ENDOFPROMPT_ID
+from voicertc.engine import Done, FirstAudio
+from voicertc.engine.worker import EngineWorker
+
+TEXT = "Hello world, this is a tiny test."
+TOKEN_SAMPLES = 960  # 2 mel frames x 480 samples per speech token
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_cv3_model_dir(tmp_path_factory.mktemp("cv3_speak"))
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return load(model_dir, check_frontend=True)
+
+
+def _backend(model, **options) -> CosyVoice3Backend:
+    return CosyVoice3Backend(model, options=BackendOptions(**{"seed": 7, **options}))
+
+
+def test_whole_text_speaks_two_tokens_per_text_token(model):
+    backend = _backend(model)
+    engine = EngineWorker(backend, default_voice=SFT_VOICE)
+    log, sink = EventLog(), RecordingSink()
+    engine.start()
+    try:
+        uid = engine.open_utterance(None, sink, log)
+        engine.push_text(uid, TEXT)
+        engine.end_input(uid)
+        log.wait_terminal([uid], timeout_s=300)
+    finally:
+        engine.stop()
+    events = log.of(uid)
+    assert [type(e) for e in events] == [FirstAudio, Done]
+    pcm = sink.samples(uid)
+    text_tokens = len(model.text_frontend.encode(TEXT))
+    assert len(pcm) == 2 * text_tokens * TOKEN_SAMPLES  # the tiny LLM stops at min_len (2 per text token)
+    assert np.isfinite(pcm).all() and np.abs(pcm).max() > 1e-3 and np.abs(pcm).max() <= 1.0
+    assert backend._active == {}
+
+
+def test_every_prompt_carries_endofprompt(model):
+    sft = model.voice_from_features(
+        torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, 80), torch.ones(1, 192)
+    )
+    encode = model.text_frontend.encode
+    for prompt in (v3_prompt(sft, "", encode), v3_prompt(sft, "Speak slowly.", encode)):
+        assert ENDOFPROMPT_ID in prompt.text_ids and prompt.speech_ids == ()
+
+
+def test_text_deltas_speak_before_the_text_ends(model):
+    backend = _backend(model)
+    engine = EngineWorker(backend, default_voice=SFT_VOICE)
+    log, sink, first = EventLog(), RecordingSink(), threading.Event()
+    engine.start()
+    try:
+
+        def on_event(event):
+            log(event)
+            if isinstance(event, FirstAudio):
+                first.set()
+
+        uid = engine.open_utterance(None, sink, on_event)
+        engine.push_text(uid, "This is the first sentence of many. And ")
+        assert first.wait(120), "no audio before the end of the text stream"
+        assert backend._active[uid].backend_state.mode == "deltas"
+        engine.push_text(uid, "then it ends.")
+        engine.end_input(uid)
+        log.wait_terminal([uid], timeout_s=300)
+    finally:
+        engine.stop()
+    assert [type(e) for e in log.of(uid)] == [FirstAudio, Done]
+    spoken = len(model.text_frontend.encode("This is the first sentence of many.")) + len(
+        model.text_frontend.encode("And then it ends.")
+    )
+    assert sink.samples(uid).size == 2 * spoken * TOKEN_SAMPLES
+
+
+def test_zero_shot_voice_from_a_recording(model, tmp_path):
+    t = np.arange(2 * 24000) / 24000
+    wav = (0.3 * np.sin(2 * np.pi * 180 * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t))).astype(np.float32)
+    soundfile.write(str(tmp_path / "p.wav"), wav, 24000)
+    voice = model.voice_from_wav(tmp_path / "p.wav", "Hello world.")
+    assert voice.prompt_text.endswith("Hello world.") and ENDOFPROMPT_ID in voice.prompt_text_tokens
+    assert voice.prompt_tokens == 50 and voice.prompt_feat.shape == (1, 100, 80)
+    tokens = list(
+        model.llm.generate(
+            model.text_frontend.encode("Hi."), voice.prompt_text_tokens, voice.llm_prompt_tokens
+        )
+    )
+    assert len(tokens) == 2 * len(model.text_frontend.encode("Hi."))
+
+
+def test_factory_builds_the_cosyvoice3_engine_from_config(model_dir, tmp_path):
+    from voicertc.config import Config, EngineConfig
+    from voicertc.engine.factory import create_engine
+
+    config = Config(
+        engine=EngineConfig(backend="cosyvoice3", model_dir=str(model_dir), voices_dir=str(tmp_path))
+    )
+    engine = create_engine(config)
+    engine.start()
+    try:
+        assert isinstance(engine.backend, CosyVoice3Backend) and engine.backend.name == "cosyvoice3"
+        assert engine.voices() == [SFT_VOICE]
+    finally:
+        engine.stop()

@@ -13,12 +13,13 @@ import contextlib
 import logging
 import socket
 
+import numpy as np
 from aiohttp import WSMsgType, web
 
 from signaling.auth import principal
 from signaling.errors import ApiError
 from signaling.routes import REGISTRY
-from voicertc.listen.inbound import LISTEN_RATE_HZ
+from voicertc.listen.inbound import LISTEN_RATE_HZ, InboundBuffer
 from voicertc.webrtc.call import Call
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,8 @@ async def _wait_listening(call: Call, reader: asyncio.Future[None]) -> bool:
     return call.listener is not None and not call.closed.is_set() and not reader.done()
 
 
-async def _next_frame(tap, reader: asyncio.Future[None]):  # type: ignore[no-untyped-def]
+async def _next_frame(tap: InboundBuffer, reader: asyncio.Future[None]) -> np.ndarray | None:
+    """The tap's next frame; None when the tap closed or the client went away first."""
     getter = asyncio.ensure_future(tap.get())
     await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
     if not getter.done():

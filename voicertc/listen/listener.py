@@ -342,7 +342,6 @@ class CallListener:
     def untap(self, buffer: InboundBuffer) -> None:
         if buffer in self._taps:
             self._taps.remove(buffer)
-            self._tap_drops += 0
         buffer.close()
 
     @property

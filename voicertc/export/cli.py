@@ -26,6 +26,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[
     doctor.add_argument("--model-dir", help="CosyVoice2 model directory (default: a tiny random one)")
     doctor.add_argument("--skip-tests", action="store_true", help="do not run the gpu-marked pytest suite")
     doctor.add_argument("--runs", type=int, default=3, help="timed runs per measurement")
+    doctor.add_argument(
+        "--quick", action="store_true", help="short workloads, no torch.compile (minutes less)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         if args.command == "doctor":
             from voicertc.export.doctor import run_doctor
 
-            return run_doctor(args.model_dir, run_tests=not args.skip_tests, runs=args.runs)
+            return run_doctor(args.model_dir, run_tests=not args.skip_tests, runs=args.runs, quick=args.quick)
         if args.export_kind == "vllm":
             from voicertc.export.vllm_export import export_vllm
 

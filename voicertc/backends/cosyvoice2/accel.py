@@ -3,10 +3,10 @@
 fp32 eager is the exact default and nothing here runs for it. Each option swaps one piece in place:
 - estimator "onnx": the streaming estimator graph on ONNX Runtime (CPU), exported into `accel_dir` on
   first use; "tensorrt": the same graph as a TensorRT engine (CUDA only, never run yet);
-- compile: `torch.compile` of the LLM backbone and the flow estimator (module.compile(), state-dict keys
-  unchanged; dynamic shapes);
-- llm "vllm": the exported LLM (`voicertc export vllm`, into `accel_dir/vllm`) served by vLLM; CUDA only,
-  never run yet (see `vllm_runner`).
+- compile: `torch.compile` of the compute leaves of the LLM layers and the flow estimator
+  (module.compile(): state-dict keys unchanged; dynamic shapes; see `compile_hot_modules`);
+- llm "vllm": refused for now: the runner (`vllm_runner`: exported model, prompt embeddings, RAS logits
+  processor, token streaming) exists but is not yet wired into the engine's batched decode, and never ran.
 """
 
 from __future__ import annotations
@@ -43,6 +43,19 @@ def estimator_onnx(engine: EngineConfig) -> Path:
     return path
 
 
+def compile_hot_modules(model: CosyVoice2Model, estimator: bool = True) -> int:
+    """`torch.compile` the shape-stable compute leaves (each LLM layer's MLP, each estimator feed-forward);
+    the cache bookkeeping around them stays eager, so nothing recompiles per chunk. Returns how many."""
+    from voicertc.backends.cosyvoice2.flow_estimator import FeedForward
+
+    leaves = [layer.mlp for layer in model.llm.llm.model.model.layers]
+    if estimator:
+        leaves += [m for m in model.flow.decoder.estimator.modules() if isinstance(m, FeedForward)]
+    for module in leaves:
+        module.compile(dynamic=True)
+    return len(leaves)
+
+
 def apply_accel(model: CosyVoice2Model, engine: EngineConfig) -> None:
     """Swap in the configured accelerated pieces (on the loading thread, before the engine starts)."""
     from voicertc.backends.cosyvoice2.estimator_graph import GraphLayout
@@ -63,11 +76,14 @@ def apply_accel(model: CosyVoice2Model, engine: EngineConfig) -> None:
         runner = TensorRTEstimator(estimator_onnx(engine), GraphLayout.of(estimator), fp16=fp16)
         model.flow.decoder.estimator_runner = runner
     if engine.compile:
-        model.llm.llm.model.model.compile(dynamic=True)
-        if engine.estimator == "torch":
-            estimator.compile(dynamic=True)
-    if engine.llm == "vllm" and model.device.type != "cuda":
-        raise ConfigError("engine.llm: vllm needs a CUDA device")
+        compile_hot_modules(model, estimator=engine.estimator == "torch")
+    if engine.llm == "vllm":
+        if model.device.type != "cuda":
+            raise ConfigError("engine.llm: vllm needs a CUDA device")
+        raise ConfigError(
+            "engine.llm: the vLLM runner (voicertc.backends.cosyvoice2.vllm_runner) is not wired into the "
+            "engine's batched decode yet; use llm = \"torch\""
+        )
     logger.info(
         "engine paths: dtype %s, estimator %s, compile %s, llm %s",
         engine.dtype,

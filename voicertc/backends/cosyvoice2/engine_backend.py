@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from voicertc.audio.decode import Clip
+from voicertc.backends.cosyvoice2.accel import apply_accel
 from voicertc.backends.cosyvoice2.bistream import BistreamSession
 from voicertc.backends.cosyvoice2.device_lane import DeviceLane, resolve_device
 from voicertc.backends.cosyvoice2.engine_state import Cv2State, FlowedChunk
@@ -494,8 +495,11 @@ def create_backend(config: Config) -> CosyVoice2Backend:
     """Load `config.engine.model_dir` on the configured device and wrap it as the engine backend."""
     engine = config.engine
     device = resolve_device(engine.device)
-    dtype = DTYPES[engine.dtype] if device.type == "cuda" else torch.float32
+    dtype = torch.float32  # CPU: float32, or bfloat16 when asked (float16 is CUDA-only)
+    if device.type == "cuda" or engine.dtype == "bfloat16":
+        dtype = DTYPES[engine.dtype]
     model = load(engine.model_dir, device, dtype)
+    apply_accel(model, engine)  # [engine] estimator / compile / llm (nothing for the fp32 eager default)
     s = config.schedule
     schedule = ChunkSchedule(
         first_hop_tokens=s.first_hop_tokens,

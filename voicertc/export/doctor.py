@@ -1,0 +1,232 @@
+"""`voicertc doctor [--model-dir D]`: one command that checks every accelerated path against eager fp32
+and prints a report to paste into a bug report (versions, device, each check PASS/FAIL/SKIP with numbers).
+
+CPU: the vLLM export against our LLM (transformers, logits), the ONNX estimator and HiFT against the
+eager modules (ONNX Runtime, a streamed utterance), bf16 / torch.compile / ONNX speed and deviation.
+CUDA (additionally): the `gpu`-marked pytest suite, and the engine under load (bench.cv2_load: TTFA
+p50/p95 at 1/8/32 utterances, RTF, underrun frames). Without --model-dir it builds the tiny random
+directory of a source checkout (bench.make_tiny_model_dir).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[2]
+PARITY_TOL = 1e-4
+BF16_MIN_AGREEMENT = 0.5  # bf16 flips near-ties of random weights; a broken path agrees ~1/vocab
+BF16_MAX_MEL_ERROR = 1.0  # log-mel units; a broken path is off by the whole dynamic range
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # PASS | FAIL | SKIP
+    detail: str
+
+    def line(self) -> str:
+        return f"[{self.status}] {self.name}: {self.detail}"
+
+
+def versions() -> list[str]:
+    lines = [f"python {platform.python_version()} on {platform.platform()}"]
+    for name in ("torch", "transformers", "onnx", "onnxruntime", "vllm", "tensorrt"):
+        try:
+            module = importlib.import_module(name)
+            lines.append(f"{name} {getattr(module, '__version__', '?')}")
+        except Exception:  # not installed (vllm / tensorrt on CPU machines), or broken
+            lines.append(f"{name} not installed")
+    return lines
+
+
+def device_lines() -> list[str]:
+    import torch
+
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    lines = [f"cpu {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {load}"]
+    lines.append(f"torch threads {torch.get_num_threads()}")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            memory = f"{props.total_memory / 2**30:.0f} GiB"
+            lines.append(f"cuda:{i} {props.name}, {memory}, cc {props.major}.{props.minor}")
+    else:
+        lines.append("cuda: not available")
+    return lines
+
+
+def _guard(name: str, fn: Callable[[], Check]) -> Check:
+    try:
+        return fn()
+    except Exception as exc:
+        logger.exception("doctor check %s", name)
+        return Check(name, "FAIL", f"{type(exc).__name__}: {exc}"[:300])
+
+
+def check_vllm_export(model_dir: Path, work: Path) -> Check:
+    import torch
+
+    from voicertc.backends.cosyvoice2.loader import load_llm
+    from voicertc.export.vllm_export import export_vllm, load_exported
+
+    out = export_vllm(model_dir, work / "vllm")
+    llm = load_llm(model_dir)
+    text, speech = [5, 9, 17, 3, 40, 41], [1, 2, 3, 100, 200]
+    expected = llm.logits(text, (), speech)[0]
+    with torch.inference_mode():
+        got = load_exported(out)(inputs_embeds=llm.lm_input(text, (), speech)).logits[0]
+    err = float((got - expected).abs().max())
+    status = "PASS" if err <= PARITY_TOL else "FAIL"
+    return Check("vllm export (transformers logits)", status, f"max |logit err| {err:.2e} (<= {PARITY_TOL})")
+
+
+def check_onnx_estimator(model_dir: Path, onnx_dir: Path) -> Check:
+    from voicertc.backends.cosyvoice2.estimator_graph import GraphLayout, OnnxRuntimeEstimator
+    from voicertc.backends.cosyvoice2.flow import CausalFlow
+    from voicertc.export.measure import flow_inputs, flow_stream
+    from voicertc.export.onnx_export import ESTIMATOR_FILE, export_onnx
+
+    export_onnx(model_dir, onnx_dir)
+    flow = CausalFlow.from_model_dir(model_dir).eval()
+    inputs = flow_inputs(flow, speech_tokens=150)
+    eager, _ = flow_stream(flow, inputs)
+    layout = GraphLayout.of(flow.decoder.estimator)
+    flow.decoder.estimator_runner = OnnxRuntimeEstimator(onnx_dir / ESTIMATOR_FILE, layout)
+    got, _ = flow_stream(flow, inputs)
+    err = float((got - eager).abs().max())
+    status = "PASS" if err <= PARITY_TOL else "FAIL"
+    detail = f"max |mel err| {err:.2e} over {eager.shape[2]} frames (<= {PARITY_TOL})"
+    return Check("onnx flow estimator (onnxruntime, streamed)", status, detail)
+
+
+def check_onnx_hift(model_dir: Path, onnx_dir: Path) -> Check:
+    import torch
+
+    from voicertc.backends.cosyvoice2.hift_onnx import OnnxHift
+    from voicertc.backends.cosyvoice2.hift_stream import hift_stream_step, init_hift_stream_state
+    from voicertc.export.onnx_export import load_hift
+
+    hift = load_hift(model_dir)
+    onnx_hift = OnnxHift(onnx_dir, hift)
+    mel = torch.randn(1, 80, 160, generator=torch.Generator().manual_seed(3)) * 2 - 6
+
+    def vocode(vocoder: object) -> torch.Tensor:
+        generator, state, pcm = torch.Generator().manual_seed(11), init_hift_stream_state(), []
+        for i, (a, b) in enumerate([(0, 40), (40, 100), (100, 160)]):
+            pcm.append(hift_stream_step(vocoder, mel[:, :, a:b], state, i == 2, generator=generator))  # type: ignore[arg-type]
+        return torch.cat(pcm)
+
+    err = float((vocode(onnx_hift) - vocode(hift)).abs().max())
+    status = "PASS" if err <= PARITY_TOL else "FAIL"
+    detail = f"max |pcm err| {err:.2e} (<= {PARITY_TOL})"
+    return Check("onnx HiFT decoder (onnxruntime, streamed)", status, detail)
+
+
+def speed_checks(model_dir: Path, onnx_dir: Path, runs: int, quick: bool) -> tuple[list[Check], str]:
+    from voicertc.export.measure import PATHS, Workload, measure_paths
+
+    work = Workload(llm_tokens=200, speech_tokens=250, runs=runs)
+    paths = PATHS
+    if quick:  # torch.compile on CPU spends minutes in the C++ compiler: left out of --quick
+        work, paths = Workload(llm_tokens=20, speech_tokens=80, runs=1), ("eager fp32", "bf16", "onnx")
+    results = measure_paths(model_dir, onnx_dir, paths, work)
+    checks = []
+    for r in results:
+        if r.error:
+            checks.append(Check(f"path {r.path}", "FAIL", r.error))
+            continue
+        agreement, mel = r.token_agreement or 0.0, r.max_mel_error or 0.0
+        if r.path in ("bf16", "compile"):
+            ok = agreement >= BF16_MIN_AGREEMENT and mel <= BF16_MAX_MEL_ERROR
+            if r.path == "compile":
+                ok = agreement >= 0.99 and mel <= PARITY_TOL * 10
+        else:
+            ok = agreement >= 0.99 and mel <= PARITY_TOL
+        detail = f"greedy agreement {agreement:.3f} over {r.tokens_compared} tokens, max |mel err| {mel:.2e}"
+        checks.append(Check(f"path {r.path}", "PASS" if ok else "FAIL", detail))
+    from voicertc.export.report import text_table
+
+    return checks, text_table([r.row() for r in results])
+
+
+def gpu_tests() -> Check:
+    tests = REPO / "tests"
+    if not tests.is_dir():
+        return Check("gpu pytest suite", "SKIP", "no tests/ directory (not a source checkout)")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", str(tests)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
+    last = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+    return Check("gpu pytest suite", "PASS" if proc.returncode == 0 else "FAIL", last)
+
+
+def gpu_table(model_dir: Path) -> str:
+    cmd = [sys.executable, "-m", "bench.cv2_load", "--model-dir", str(model_dir), "--device", "cuda",
+           "--concurrency", "1", "8", "32"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
+    return proc.stdout if proc.returncode == 0 else f"bench.cv2_load failed: {proc.stderr[-800:]}"
+
+
+def tiny_model_dir(work: Path) -> Path:
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    try:
+        from bench.make_tiny_model_dir import make_tiny_model_dir
+    except ImportError as exc:
+        raise ValueError("no --model-dir given and no source checkout to build the tiny one") from exc
+    return make_tiny_model_dir(work / "tiny")
+
+
+def run_doctor(
+    model_dir: str | None, run_tests: bool = True, runs: int = 3, quick: bool = False, out: Any = None
+) -> int:
+    """Print the report; exit status 0 when no check FAILed."""
+    import torch
+
+    out = out or sys.stdout
+    with tempfile.TemporaryDirectory(prefix="voicertc-doctor-") as tmp:
+        work = Path(tmp)
+        directory = Path(model_dir) if model_dir else tiny_model_dir(work)
+        lines = ["voicertc doctor", "== versions", *versions(), "== device", *device_lines()]
+        lines.append(f"== model {directory}{'' if model_dir else ' (tiny random, built now)'}")
+        onnx_dir = work / "onnx"
+        checks = [
+            _guard("vllm export", lambda: check_vllm_export(directory, work)),
+            _guard("onnx estimator", lambda: check_onnx_estimator(directory, onnx_dir)),
+            _guard("onnx hift", lambda: check_onnx_hift(directory, onnx_dir)),
+        ]
+        speed, cpu_table = [], ""
+        try:
+            speed, cpu_table = speed_checks(directory, onnx_dir, runs, quick)
+        except Exception as exc:
+            speed = [Check("speed paths", "FAIL", f"{type(exc).__name__}: {exc}"[:300])]
+        checks += speed
+        if quick:
+            checks.append(Check("path compile", "SKIP", "--quick (torch.compile takes minutes on CPU)"))
+        cuda = torch.cuda.is_available()
+        for name in ("tensorrt estimator", "vllm runner", "cuda graphs"):
+            if not cuda:
+                checks.append(Check(name, "SKIP", "no CUDA device"))
+        if cuda and run_tests:
+            checks.append(gpu_tests())
+        elif run_tests:
+            checks.append(Check("gpu pytest suite", "SKIP", "no CUDA device"))
+        lines += ["== checks", *(c.line() for c in checks), "== CPU paths (ms; p50/p95 over runs)", cpu_table]
+        if cuda:
+            lines += ["== GPU engine under load (bench.cv2_load)", gpu_table(directory)]
+        failed = sum(c.status == "FAIL" for c in checks)
+        lines.append(f"== summary: {sum(c.status == 'PASS' for c in checks)} PASS, {failed} FAIL, "
+                     f"{sum(c.status == 'SKIP' for c in checks)} SKIP")  # fmt: skip
+        print("\n".join(lines), file=out, flush=True)
+    return 1 if failed else 0

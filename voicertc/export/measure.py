@@ -1,0 +1,211 @@
+"""Speed and deviation of each accelerated path against eager fp32 (`voicertc doctor`, bench.accel_cpu).
+
+Paths: "eager fp32" (the exact default), "bf16" (LLM and flow in bfloat16), "compile" (torch.compile of
+the compute leaves, `accel.compile_hot_modules`), "onnx" (the streaming estimator on ONNX Runtime). Each
+is measured on the same inputs in the same process:
+- LLM: ms per decoded token (greedy, after the prefill), and greedy agreement: the fp32 greedy sequence
+  is fed to the path token by token (teacher forcing) and the path's argmax is compared at every step;
+- flow: ms per streamed chunk (hops 25+pad, 50, 100, ...) and the max |mel - mel_fp32| over the utterance.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from voicertc.backends.cosyvoice2.flow import CausalFlow
+from voicertc.backends.cosyvoice2.llm import Qwen2LM
+
+logger = logging.getLogger(__name__)
+
+PATHS = ("eager fp32", "bf16", "compile", "onnx")
+LOOKAHEAD = 3
+
+
+@dataclass
+class PathResult:
+    path: str
+    llm_token_ms: list[float] = field(default_factory=list)
+    flow_chunk_ms: list[float] = field(default_factory=list)
+    token_agreement: float | None = None
+    tokens_compared: int = 0
+    max_mel_error: float | None = None
+    error: str = ""
+
+    def row(self) -> dict[str, object]:
+        def pct(values: list[float], q: float) -> object:
+            return float(np.percentile(values, q)) if values else ""
+
+        return {
+            "path": self.path,
+            "llm ms/token p50": pct(self.llm_token_ms, 50),
+            "llm ms/token p95": pct(self.llm_token_ms, 95),
+            "flow ms/chunk p50": pct(self.flow_chunk_ms, 50),
+            "flow ms/chunk p95": pct(self.flow_chunk_ms, 95),
+            "greedy agreement": "" if self.token_agreement is None else f"{self.token_agreement:.3f}",
+            "max mel err": "" if self.max_mel_error is None else f"{self.max_mel_error:.2e}",
+            "note": self.error,
+        }
+
+
+# ---- LLM --------------------------------------------------------------------------------------------
+
+
+def llm_text(llm: Qwen2LM, n_text: int = 12) -> list[int]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(0, min(llm.text_vocab_size, 300), (n_text,), generator=generator).tolist()
+
+
+def greedy_reference(llm: Qwen2LM, tokens: int) -> list[int]:
+    """fp32 greedy speech tokens (at most `tokens`) for the fixed text."""
+    session = llm.prefill(llm_text(llm), sampling="greedy")
+    session.max_len = max(session.max_len, tokens)
+    out: list[int] = []
+    while len(out) < tokens and (token := llm.step(session)) is not None:
+        out.append(token)
+    return out
+
+
+def llm_decode(llm: Qwen2LM, reference: list[int]) -> tuple[list[float], float]:
+    """Teacher-forced decode of `reference`: (ms per token of each step, argmax agreement)."""
+    session = llm.prefill(llm_text(llm), sampling="greedy")
+    session.max_len = len(reference) + 1
+    times, agree = [], 0
+    for token in reference:
+        started = time.perf_counter()
+        llm.step(session, force=token)
+        times.append(1000 * (time.perf_counter() - started))
+        assert session.logits is not None
+        logits = session.logits.float().clone()
+        if len(session.out_tokens) - 1 < session.min_len:
+            logits[6561] = -float("inf")
+        agree += int(int(logits.argmax()) == token)
+    return times[1:], agree / max(1, len(reference))  # the first step includes the prefill
+
+
+# ---- flow -------------------------------------------------------------------------------------------
+
+
+def flow_inputs(flow: CausalFlow, speech_tokens: int = 250, prompt_tokens: int = 40) -> dict[str, Tensor]:
+    generator = torch.Generator().manual_seed(2)
+    vocab = flow.cfg.vocab_size
+    return {
+        "prompt_tokens": torch.randint(0, vocab, (1, prompt_tokens), generator=generator),
+        "prompt_feat": torch.randn(1, 2 * prompt_tokens, 80, generator=generator) * 2 - 6,
+        "embedding": torch.randn(1, 192, generator=generator),
+        "tokens": torch.randint(0, vocab, (1, speech_tokens), generator=generator),
+    }
+
+
+def flow_stream(flow: CausalFlow, inputs: dict[str, Tensor]) -> tuple[Tensor, list[float]]:
+    """Stream the utterance chunk by chunk: (mel [1, 80, frames] fp32, ms per chunk)."""
+    dtype = next(flow.parameters()).dtype
+    state = flow.init_stream(
+        inputs["prompt_tokens"], inputs["prompt_feat"].to(dtype), inputs["embedding"].to(dtype)
+    )
+    tokens = inputs["tokens"]
+    grid = flow.cfg.chunk_tokens
+    pad = -inputs["prompt_tokens"].shape[1] % grid
+    hops = [grid + pad, 2 * grid] + [4 * grid] * 100
+    offset, mels, times = 0, [], []
+    for hop in hops:
+        if offset + hop + LOOKAHEAD > tokens.shape[1]:
+            break
+        started = time.perf_counter()
+        mels.append(flow.stream_step(tokens[:, offset : offset + hop + LOOKAHEAD], state, finalize=False))
+        times.append(1000 * (time.perf_counter() - started))
+        offset += hop
+    started = time.perf_counter()
+    mels.append(flow.stream_step(tokens[:, offset:], state, finalize=True))
+    times.append(1000 * (time.perf_counter() - started))
+    return torch.cat(mels, dim=2).float(), times
+
+
+# ---- the paths ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    llm_tokens: int = 200
+    speech_tokens: int = 250
+    runs: int = 3
+
+
+def measure_paths(
+    model_dir: str | Path,
+    onnx_dir: str | Path | None,
+    paths: tuple[str, ...] = PATHS,
+    work: Workload | None = None,
+    progress: Callable[[str], None] = logger.info,
+) -> list[PathResult]:
+    """Measure every path of `paths` on `model_dir` (export the ONNX estimator into `onnx_dir` if needed)."""
+    from voicertc.backends.cosyvoice2.loader import load_llm
+
+    work = work or Workload()
+    llm32 = load_llm(model_dir)
+    flow32 = CausalFlow.from_model_dir(model_dir).eval()
+    reference = greedy_reference(llm32, work.llm_tokens)
+    inputs = flow_inputs(flow32, work.speech_tokens)
+    mel32, _ = flow_stream(flow32, inputs)
+    results = []
+    for path in paths:
+        progress(f"measuring {path}")
+        result = PathResult(path)
+        try:
+            llm, flow = _variant(path, model_dir, onnx_dir, llm32, flow32)
+            for _ in range(work.runs):
+                times, agreement = llm_decode(llm, reference)
+                result.llm_token_ms += times
+                mel, chunk_times = flow_stream(flow, inputs)
+                result.flow_chunk_ms += chunk_times
+            result.token_agreement, result.tokens_compared = agreement, len(reference)
+            result.max_mel_error = float((mel - mel32).abs().max())
+        except Exception as exc:  # a path that cannot run here is reported, not fatal
+            logger.exception("path %s failed", path)
+            result.error = f"{type(exc).__name__}: {exc}"[:160]
+        finally:
+            flow32.decoder.estimator_runner = None
+        results.append(result)
+    return results
+
+
+def _variant(
+    path: str, model_dir: str | Path, onnx_dir: str | Path | None, llm32: Qwen2LM, flow32: CausalFlow
+) -> tuple[Qwen2LM, CausalFlow]:
+    from voicertc.backends.cosyvoice2.loader import load_llm
+
+    if path == "eager fp32":
+        return llm32, flow32
+    if path == "bf16":
+        flow = CausalFlow.from_model_dir(model_dir).to(torch.bfloat16).eval()
+        return load_llm(model_dir, dtype=torch.bfloat16), flow
+    if path == "compile":
+        from voicertc.backends.cosyvoice2.flow_estimator import FeedForward
+
+        llm, flow = load_llm(model_dir), CausalFlow.from_model_dir(model_dir).eval()
+        leaves = [layer.mlp for layer in llm.llm.model.model.layers]
+        leaves += [m for m in flow.decoder.estimator.modules() if isinstance(m, FeedForward)]
+        for module in leaves:
+            module.compile(dynamic=True)
+        return llm, flow
+    if path == "onnx":
+        from voicertc.backends.cosyvoice2.estimator_graph import GraphLayout, OnnxRuntimeEstimator
+        from voicertc.export.onnx_export import ESTIMATOR_FILE, export_onnx
+
+        if onnx_dir is None:
+            raise ValueError("the onnx path needs a directory for the exported graph")
+        onnx_path = Path(onnx_dir) / ESTIMATOR_FILE
+        if not onnx_path.is_file():
+            export_onnx(model_dir, onnx_dir)
+        threads = torch.get_num_threads()
+        runner = OnnxRuntimeEstimator(onnx_path, GraphLayout.of(flow32.decoder.estimator), threads=threads)
+        flow32.decoder.estimator_runner = runner
+        return llm32, flow32  # the LLM has no ONNX path: its numbers repeat eager fp32
+    raise ValueError(f"unknown path {path!r}")

@@ -41,7 +41,11 @@ def main() -> None:
     onnx_dir = Path(args.onnx_dir or Path(args.model_dir) / "accel")
     load_before = os.getloadavg()
     work = Workload(llm_tokens=args.llm_tokens, speech_tokens=args.speech_tokens, runs=args.runs)
-    results = measure_paths(args.model_dir, onnx_dir, tuple(args.paths), work)
+
+    def partial(result: object) -> None:  # each path's row as soon as it is measured (slow machines)
+        print(table([result.row()], list(result.row())), flush=True)  # type: ignore[attr-defined]  # noqa: T201
+
+    results = measure_paths(args.model_dir, onnx_dir, tuple(args.paths), work, on_result=partial)
     rows = [r.row() for r in results]
     print(table(rows, list(rows[0])))  # noqa: T201 - benchmark output
     print(f"load average before {load_before}, after {os.getloadavg()}")  # noqa: T201

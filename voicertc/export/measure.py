@@ -144,6 +144,7 @@ def measure_paths(
     paths: tuple[str, ...] = PATHS,
     work: Workload | None = None,
     progress: Callable[[str], None] = logger.info,
+    on_result: Callable[[PathResult], None] | None = None,
 ) -> list[PathResult]:
     """Measure every path of `paths` on `model_dir` (export the ONNX estimator into `onnx_dir` if needed)."""
     from voicertc.backends.cosyvoice2.loader import load_llm
@@ -173,6 +174,8 @@ def measure_paths(
         finally:
             flow32.decoder.estimator_runner = None
         results.append(result)
+        if on_result is not None:
+            on_result(result)
     return results
 
 

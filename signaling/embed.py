@@ -65,7 +65,8 @@ class AgentCall:
         """Queue speech (after what is already queued, unless `interrupt`); `await handle.done()` to wait.
 
         `instruct`: an instruction for the voice (CosyVoice2 instruct2, e.g. "Speak slowly and softly.");
-        `speed`: only 1.0, since the reference changes speed only without streaming (InputError otherwise)."""
+        `speed`: a rate factor 0.5..2 (CosyVoice2), non-streaming only as in the reference: the utterance's
+        audio starts after each whole segment is synthesized (InputError on engines without it)."""
         return self._call.speak(text, voice=voice, interrupt=interrupt, instruct=instruct, speed=speed)
 
     def interrupt(self) -> tuple[str | None, float]:

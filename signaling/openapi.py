@@ -343,9 +343,13 @@ def _schemas(config: Config) -> dict[str, Any]:
                 },
                 "speed": {
                     "type": "number",
-                    "description": "Only 1.0: the reference changes speed only in non-streaming synthesis "
-                    "(mel interpolation) and every engine here streams, so other values are 400 "
-                    "`speed_not_supported`. NDJSON: `?speed=`.",
+                    "minimum": 0.5,
+                    "maximum": 2.0,
+                    "description": "Speaking rate (CosyVoice2), 0.5..2, default 1. NON-STREAMING ONLY, as "
+                    "in the reference (cosyvoice.md §6.2): with speed != 1 each text segment is synthesized "
+                    "whole (full-attention flow), its mel interpolated to len/speed frames, then vocoded, so "
+                    "the first audio comes after the whole segment. Engines without it (Piper, fake): 400 "
+                    "`speed_not_supported` unless 1. NDJSON: `?speed=`.",
                 },
             },
             "description": "Fine-grained tags in `text` ([laughter], [breath], <strong>...</strong>, "

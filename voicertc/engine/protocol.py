@@ -60,8 +60,8 @@ class SpeakOptions:
     """How to speak an utterance beyond its voice (backends that cannot honour one are refused at the edge).
 
     `instruct`: an instruction for the voice (CosyVoice2 instruct2: "speak cheerfully", "用四川话说这句话").
-    `speed`: a speed factor; the reference changes speed only in non-streaming synthesis, so the streaming
-    engines here accept only 1.0.
+    `speed`: a speaking-rate factor; the reference changes speed only in non-streaming synthesis, so a
+    backend that honours it synthesizes such an utterance without streaming (CosyVoice2).
     """
 
     instruct: str = ""

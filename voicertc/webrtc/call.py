@@ -166,9 +166,9 @@ class Call:
     ) -> SpeechHandle:
         """Queue an utterance (text or async iterator of deltas); `interrupt` first stops what is playing.
 
-        `instruct`: an instruction for the voice (CosyVoice2 instruct2); `speed`: only 1.0 (the reference
-        changes speed only without streaming). The request is validated before the interrupt: a bad one
-        leaves what is playing alone.
+        `instruct`: an instruction for the voice (CosyVoice2 instruct2); `speed`: a rate factor (CosyVoice2;
+        like the reference, such an utterance is synthesized without streaming). The request is validated
+        before the interrupt: a bad one leaves what is playing alone.
         """
         if self.closed.is_set():
             raise CallClosedError(f"call {self.call_id} is closed")

@@ -53,8 +53,8 @@ MIN_SPEED, MAX_SPEED = 0.5, 2.0
 def speak_options(engine: Engine, instruct: object = None, speed: object = None) -> SpeakOptions:
     """Validated speak options (InputError naming the field); refused when the engine cannot honour them.
 
-    `speed` follows the reference: it is applied only in non-streaming synthesis (cosyvoice.md §6.2), and
-    every engine here streams, so any value but 1.0 is refused with `speed_not_supported`."""
+    `speed` follows the reference: it is applied only in non-streaming synthesis (cosyvoice.md §6.2); an
+    engine that cannot synthesize without streaming refuses any value but 1.0 (`speed_not_supported`)."""
     if instruct is not None and not isinstance(instruct, str):
         raise InputError('"instruct" must be a string')
     if speed is not None and (isinstance(speed, bool) or not isinstance(speed, int | float)):
@@ -71,8 +71,8 @@ def speak_options(engine: Engine, instruct: object = None, speed: object = None)
             raise OptionNotSupportedError("instruct is not supported by this engine (CosyVoice2 only)")
     if options.speed != 1.0 and (supports is None or not supports("speed")):
         raise SpeedNotSupportedError(
-            "speed is applied only in non-streaming synthesis (as in the reference); this engine streams, "
-            "so only speed 1.0 is accepted"
+            "speed is applied only in non-streaming synthesis (as in the reference), which this engine "
+            "does not do: only speed 1.0 is accepted"
         )
     return options
 

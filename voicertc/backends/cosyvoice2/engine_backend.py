@@ -154,7 +154,7 @@ class CosyVoice2Backend:
 
     # ---- BatchBackend protocol ----------------------------------------------------------------
 
-    features = frozenset({"instruct"})  # speak options this backend honours (speed: never, it streams)
+    features = frozenset({"instruct", "speed"})  # speak options it honours (speed: without streaming)
 
     def begin(self, utt: Utterance[Cv2State]) -> Cv2State:
         voice = self.book.get(utt.voice)
@@ -165,6 +165,7 @@ class CosyVoice2Backend:
         return Cv2State(
             voice=voice,
             prompt=prompt,
+            speed=float(getattr(options, "speed", 1.0)),
             llm_generator=torch.Generator(self.model.device).manual_seed(seed),
             hift_generator=torch.Generator().manual_seed(seed + 1),
         )
@@ -279,7 +280,11 @@ class CosyVoice2Backend:
 
     def _open_t2w(self, st: Cv2State) -> Token2WavStream:
         return self.model.token2wav_stream(
-            st.voice, self.schedule, generator=st.hift_generator, pcm_to_host=self.lane.to_host
+            st.voice,
+            self.schedule,
+            generator=st.hift_generator,
+            pcm_to_host=self.lane.to_host,
+            speed=st.speed,
         )
 
     def _start_segment(self, st: Cv2State) -> str:
@@ -371,7 +376,10 @@ class CosyVoice2Backend:
 
     def _flow_group(self, group: Sequence[Cv2Job]) -> list[StepResult]:
         final = bool(getattr(group[0].work, "final", False))
-        if final and self.schedule.final_chunk == "reference" and len(group) > 1:
+        whole = final and (
+            self.schedule.final_chunk == "reference" or any(self._state(j).speed != 1.0 for j in group)
+        )  # the reference's full-attention last call (or the only call of a non-streaming utterance)
+        if whole and len(group) > 1:
             return [r for job in group for r in self._flow_group([job])]  # a whole-utterance recompute each
         try:
             t2ws = [self._t2w(job) for job in group]
@@ -385,7 +393,7 @@ class CosyVoice2Backend:
         try:
             if any(p is None for p in plans):
                 raise RuntimeError("flow chunk planned but not ready")
-            if final and self.schedule.final_chunk == "reference":
+            if whole:
                 assert plans[0] is not None
                 mels = [t2ws[0].flow_mel(plans[0])]
             else:

@@ -57,6 +57,7 @@ class Cv2State:
     prompt: LlmPrompt  # the LLM prompt parts of this utterance's mode (modes.py)
     llm_generator: torch.Generator
     hift_generator: torch.Generator
+    speed: float = 1.0  # != 1: every segment is synthesized without streaming, then re-timed
     mode: TextMode | None = None
     segments: deque[list[int]] | None = None  # whole text: token ids of the pieces not yet spoken
     segment_texts: deque[str] | None = None  # whole text: each segment's (normalised) text, for heard_text

@@ -128,7 +128,7 @@ class CosyVoice2Model:
         from voicertc.engine.schedule import ChunkSchedule
 
         schedule = schedule or ChunkSchedule()
-        if schedule.final_chunk == "reference":
+        if schedule.final_chunk == "reference" or options.get("speed", 1.0) != 1.0:
             prompt = (voice.flow_prompt_tokens, voice.prompt_feat, voice.embedding)
             options.setdefault("reference_prompt", prompt)
         return open_stream(self.flow, self.hift, voice.flow_state, voice.prompt_tokens, schedule, **options)

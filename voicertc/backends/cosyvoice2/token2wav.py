@@ -79,6 +79,7 @@ class Token2WavStream:
     emitted_tokens: int = 0  # tokens whose mel has been emitted
     chunk_index: int = 0
     finished: bool = False
+    speed: float = 1.0  # != 1: non-streaming (one whole-utterance chunk, mel re-timed), as the reference
 
     def __post_init__(self) -> None:
         check_schedule(self.schedule, self.flow)
@@ -108,16 +109,22 @@ class Token2WavStream:
         ids = tokens.reshape(-1).tolist() if isinstance(tokens, Tensor) else list(tokens)
         self.tokens.extend(int(t) for t in ids)
 
+    @property
+    def streaming(self) -> bool:
+        """False with a speed change: the reference changes speed only in non-streaming synthesis
+        (cosyvoice.md §6.2), so the whole segment is one final chunk."""
+        return self.speed == 1.0
+
     def ready(self) -> bool:
         """The next non-final chunk has all its tokens (incl. lookahead)."""
-        if self.finished or self.flow_state is None:
+        if self.finished or self.flow_state is None or not self.streaming:
             return False
         return self.schedule.ready(self.chunk_index, self.prompt_tokens, len(self.tokens))
 
     def next_chunk(self) -> tuple[int, int] | None:
         """(tokens still to generate, flow advance) of the next non-final chunk; None once spent."""
         state = self.flow_state
-        if self.finished or state is None:
+        if self.finished or state is None or not self.streaming:
             return None
         end = self.schedule.chunk_end_tokens(self.chunk_index, self.prompt_tokens)
         need = end + self.schedule.lookahead_tokens - len(self.tokens)
@@ -153,11 +160,26 @@ class Token2WavStream:
         mel = self.flow_mel(plan)
         return self.complete(plan, mel, time.perf_counter() - started)
 
+    @property
+    def full_attention_final(self) -> bool:
+        """The final chunk is the reference's full-attention call (`final_chunk = "reference"`, or a
+        non-streaming utterance, whose only chunk is the reference's non-stream token2wav)."""
+        return self.schedule.final_chunk == "reference" or not self.streaming
+
+    def retime(self, plan: ChunkPlan, mel: Tensor) -> Tensor:
+        """The reference's speed change: the whole mel linearly interpolated to len / speed frames."""
+        # mel: [1, 80, F] -> [1, 80, int(F / speed)]
+        if not plan.final or self.streaming:
+            return mel
+        frames = max(1, int(mel.shape[2] / self.speed))
+        return torch.nn.functional.interpolate(mel, size=frames, mode="linear")
+
     def flow_mel(self, plan: ChunkPlan) -> Tensor:
-        """The flow's mel for `plan` alone; a final chunk with `final_chunk = "reference"` recomputes the
-        whole utterance with full attention (the official last call) and keeps its new frames."""
+        """The flow's mel for `plan` alone; a final chunk with `final_chunk = "reference"` (or of a
+        non-streaming utterance) recomputes the whole utterance with full attention (the official last
+        call) and keeps its new frames, re-timed by `speed`."""
         assert self.flow_state is not None
-        if plan.final and self.schedule.final_chunk == "reference":
+        if plan.final and self.full_attention_final:
             if self.reference_prompt is None:
                 raise ValueError("final_chunk 'reference' needs the voice's flow prompt (reference_prompt)")
             prompt_tokens, prompt_feat, embedding = self.reference_prompt
@@ -166,7 +188,7 @@ class Token2WavStream:
                 tokens, prompt_tokens, prompt_feat, embedding, streaming=False, finalize=True
             )
             self.flow_state.finished = True
-            return full[:, :, 2 * self.emitted_tokens :]
+            return self.retime(plan, full[:, :, 2 * self.emitted_tokens :])
         return self.flow.stream_step(plan.new_tokens, self.flow_state, finalize=plan.final)
 
     def complete(self, plan: ChunkPlan, mel: Tensor, flow_s: float = 0.0) -> Chunk:

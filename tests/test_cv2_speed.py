@@ -1,0 +1,74 @@
+"""speed: non-streaming only, as the reference (cosyvoice.md §6.2): the segment's tokens become one chunk,
+the full-attention mel is linearly interpolated to len/speed frames, then vocoded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cv2_engine_helpers import (
+    GOLDEN_VOICE,
+    build_speaking_model_dir,
+    golden_voice,
+    load_speaking_model,
+    make_backend,
+)
+from engine_helpers import EventLog, RecordingSink
+from safetensors.torch import load_file
+
+from voicertc.engine import ChunkSchedule, Done
+from voicertc.engine.protocol import SpeakOptions
+from voicertc.engine.worker import EngineWorker
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir, golden_dir, tmp_path_factory):
+    return load_speaking_model(
+        build_speaking_model_dir(tiny_model_dir, golden_dir, tmp_path_factory.mktemp("m"))
+    )
+
+
+@pytest.mark.parametrize("speed", [2.0, 0.75])
+def test_a_speed_change_is_one_retimed_full_attention_chunk(model, golden_dir, speed):
+    tts = load_file(golden_dir / "cv2_tts_tiny_flow_tiny_hift.safetensors")
+    voice = golden_voice(model, golden_dir)
+    tokens = tts["in_token"]  # [1, N]
+    stream = model.token2wav_stream(
+        voice, ChunkSchedule(), generator=torch.Generator().manual_seed(0), speed=speed
+    )
+    assert stream.push(tokens) == []  # no chunk before the end: not streaming
+    chunks = stream.finish()
+    assert len(chunks) == 1 and chunks[0].final
+    full = model.flow.infer(
+        tokens, voice.flow_prompt_tokens, voice.prompt_feat, voice.embedding, streaming=False, finalize=True
+    )  # the reference's non-stream token2wav mel: [1, 80, 2N]
+    expected = torch.nn.functional.interpolate(full, size=int(full.shape[2] / speed), mode="linear")
+    torch.testing.assert_close(chunks[0].mel, expected)
+    assert len(chunks[0].pcm) == expected.shape[2] * 480
+
+
+def _audio_ms(model, golden_dir, speed: float) -> float:
+    backend = make_backend(model, golden_dir, max_segment_tokens=40)
+    engine = EngineWorker(backend, name="cv2-speed")
+    engine.start()
+    try:
+        log = EventLog()
+        uid = engine.open_utterance(GOLDEN_VOICE, RecordingSink(), log, "same-id", SpeakOptions(speed=speed))
+        engine.push_text(uid, "Hello there, this is a test.")
+        engine.end_input(uid)
+        log.wait_terminal([uid], 120)
+        done = log.of(uid)[-1]
+        assert isinstance(done, Done), done
+        return done.audio_ms
+    finally:
+        engine.stop()
+
+
+def test_the_engine_speaks_faster_and_slower(model, golden_dir):
+    normal = _audio_ms(model, golden_dir, 1.0)  # same utterance id and seed: the same speech tokens
+    fast = _audio_ms(model, golden_dir, 2.0)
+    slow = _audio_ms(model, golden_dir, 0.8)
+    assert normal > 1000
+    assert fast == pytest.approx(normal / 2.0, abs=45.0)
+    assert slow == pytest.approx(normal / 0.8, abs=45.0)

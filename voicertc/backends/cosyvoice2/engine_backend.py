@@ -279,12 +279,9 @@ class CosyVoice2Backend:
             return [text.strip()]
 
     def _open_t2w(self, st: Cv2State) -> Token2WavStream:
+        speed = {"speed": st.speed} if st.speed != 1.0 else {}  # (only streams that honour it get it)
         return self.model.token2wav_stream(
-            st.voice,
-            self.schedule,
-            generator=st.hift_generator,
-            pcm_to_host=self.lane.to_host,
-            speed=st.speed,
+            st.voice, self.schedule, generator=st.hift_generator, pcm_to_host=self.lane.to_host, **speed
         )
 
     def _start_segment(self, st: Cv2State) -> str:

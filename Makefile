@@ -9,7 +9,7 @@ ARGS ?=
 # proves the server, the browser test and the bundled models need nothing beyond loopback.
 OFFLINE := $(shell tests/offline_netns.sh true >/dev/null 2>&1 && echo tests/offline_netns.sh)
 
-.PHONY: serve test install install-dev chromium lint bench clean
+.PHONY: serve test install install-dev chromium lint typecheck bench clean
 
 serve: install
 	$(BIN)/voicertc serve $(ARGS)
@@ -39,6 +39,9 @@ chromium:
 
 lint: install-dev
 	$(BIN)/ruff check voicertc signaling tests bench
+
+typecheck: install-dev
+	$(BIN)/mypy voicertc signaling
 
 bench: install-dev
 	$(BIN)/python -m bench.piper_latency

@@ -46,6 +46,10 @@ def _dft_kernels(n_fft: int, window: Tensor) -> tuple[Tensor, Tensor]:
 class ConvStft(nn.Module):
     """`torch.stft(center=True, reflect)` and `torch.istft(center=True)` as convolutions."""
 
+    forward_kernel: Tensor
+    inverse_kernel: Tensor
+    window_sq: Tensor
+
     def __init__(self, n_fft: int, hop: int, window: Tensor) -> None:
         super().__init__()
         self.n_fft, self.hop = n_fft, hop

@@ -24,7 +24,6 @@ _EXPORTS = {
     "SPEECH_TOKEN_SIZE": "llm",
     "SamplingParams": "sampling",
     "BistreamSession": "bistream",
-    "bistream_layout": "bistream",
     "TextFrontend": "text",
     "TextTokenizer": "text",
     "SentenceStream": "text",
@@ -47,7 +46,6 @@ __all__ = [
     "SentenceStream",
     "TextFrontend",
     "TextTokenizer",
-    "bistream_layout",
     "build_llm",
     "load",
     "load_llm_state_dict",
@@ -56,7 +54,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from voicertc.backends.cosyvoice2.bistream import BistreamSession, bistream_layout
+    from voicertc.backends.cosyvoice2.bistream import BistreamSession
     from voicertc.backends.cosyvoice2.llm import (
         EOS_ID,
         FILL_ID,

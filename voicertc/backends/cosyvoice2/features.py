@@ -27,7 +27,7 @@ _SLANEY_LOG_START_MEL = _SLANEY_LOG_START_HZ / _SLANEY_HZ_PER_MEL
 _SLANEY_LOG_STEP = math.log(6.4) / 27.0
 
 
-def _hz_to_slaney_mel(hz: np.ndarray) -> np.ndarray:
+def _hz_to_slaney_mel(hz: np.ndarray | float) -> np.ndarray:
     hz = np.asarray(hz, dtype=np.float64)
     log_part = _SLANEY_LOG_START_MEL + np.log(np.maximum(hz, 1e-10) / _SLANEY_LOG_START_HZ) / _SLANEY_LOG_STEP
     return np.where(hz >= _SLANEY_LOG_START_HZ, log_part, hz / _SLANEY_HZ_PER_MEL)

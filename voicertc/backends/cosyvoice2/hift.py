@@ -170,6 +170,8 @@ class F0Predictor(nn.Module):
 class HiFTGenerator(nn.Module):
     """The CosyVoice2 HiFT vocoder (non-causal). Stateless: every call is independent."""
 
+    stft_window: Tensor  # registered buffer
+
     def __init__(self, config: HiftConfig) -> None:
         super().__init__()
         self.config = config

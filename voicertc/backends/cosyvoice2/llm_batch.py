@@ -15,13 +15,20 @@ weights and their RMSNorm / MLP / rotary code; only the attention over the slot 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from transformers.cache_utils import DynamicCache
-from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+from transformers.cache_utils import CacheLayerMixin, DynamicCache
+from transformers.models.qwen2.modeling_qwen2 import (
+    Qwen2Attention,
+    Qwen2DecoderLayer,
+    Qwen2Model,
+    apply_rotary_pos_emb,
+)
 
 from voicertc.backends.cosyvoice2.bistream import BistreamSession
 from voicertc.backends.cosyvoice2.llm import LlmSession, Qwen2LM
@@ -60,7 +67,7 @@ class SlotKV:
 
     def __init__(
         self,
-        backbone: torch.nn.Module,
+        backbone: Qwen2Model,
         slots: int = 16,
         capacity: int = 1024,
     ) -> None:
@@ -68,7 +75,7 @@ class SlotKV:
         self.backbone = backbone
         self.layers = int(cfg.num_hidden_layers)
         self.heads = int(cfg.num_attention_heads)
-        self.kv_heads = int(cfg.num_key_value_heads)
+        self.kv_heads = int(cfg.num_key_value_heads or cfg.num_attention_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         weight = backbone.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
@@ -123,6 +130,8 @@ class SlotKV:
         length = cache.get_seq_length()
         self._ensure_capacity(length)
         for i, layer in enumerate(cache.layers):
+            if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
+                raise ValueError(f"layer {i} of the prefix cache holds no keys/values")
             self.k[i, slot.index, :, :length] = layer.keys[0]
             self.v[i, slot.index, :, :length] = layer.values[0]
         slot.length = length
@@ -146,7 +155,9 @@ class SlotKV:
         bb = self.backbone
         hidden = embeds.to(self.dtype)
         cos, sin = bb.rotary_emb(hidden, positions)
-        for i, layer in enumerate(bb.layers[: self.layers]):
+        # nn.ModuleList is not generic (its items type as Module): these are Qwen2 decoder layers
+        layers = cast(Sequence[Qwen2DecoderLayer], bb.layers[: self.layers])
+        for i, layer in enumerate(layers):
             residual = hidden
             x = layer.input_layernorm(hidden)
             hidden = residual + self._attention(layer.self_attn, x, cos, sin, i, index, positions, span, mask)
@@ -158,7 +169,7 @@ class SlotKV:
 
     def _attention(
         self,
-        attn: torch.nn.Module,
+        attn: Qwen2Attention,
         x: Tensor,
         cos: Tensor,
         sin: Tensor,

@@ -196,7 +196,7 @@ def voice_from_spk2info(model: CosyVoice2Model, voice_id: str, info: object) -> 
     embedding_key = next((k for k in ("flow_embedding", "embedding", "llm_embedding") if k in info), None)
     if embedding_key is None:
         missing.append("flow_embedding")
-    if missing:
+    if missing or embedding_key is None:
         raise InputError(f"a zero-shot entry without {', '.join(missing)}")
     tokens = _tensor(info, "flow_prompt_speech_token").reshape(1, -1).to(torch.long)
     feat = _tensor(info, "prompt_speech_feat").to(torch.float32)
@@ -358,12 +358,16 @@ class VoiceBook:
                 self._voices[voice_id] = voice_from_spk2info(model, voice_id, info)
             except Exception as exc:  # noqa: BLE001 - a bad entry disables its voice, never the engine
                 logger.error("spk2info.pt voice %r disabled: %s", voice_id, exc)
-        for voice_id in store.ids() if store is not None else []:
+        if store is not None:
+            self._load_stored(store)
+
+    def _load_stored(self, store: VoiceStore) -> None:
+        for voice_id in store.ids():
             if voice_id in self._voices:
                 logger.error("stored voice %s skipped: spk2info.pt has a voice with that id", voice_id)
                 continue
             try:
-                self._voices[voice_id] = store.load(model, voice_id)
+                self._voices[voice_id] = store.load(self.model, voice_id)
             except Exception as exc:  # noqa: BLE001 - a broken file must not stop the engine
                 logger.error("stored voice %s in %s disabled: %s", voice_id, store.directory, exc)
 

@@ -104,7 +104,7 @@ def create_app(config: Config, engine: Engine | None = None) -> web.Application:
     return app
 
 
-class ProtocolLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
+class ProtocolLogger(logging.LoggerAdapter[logging.Logger]):
     """aiohttp's connection logger, minus the traceback for a request its parser refused (a NUL byte
     in a header, an overlong line...): aiohttp already answered it 400, so one INFO line says enough."""
 

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from typing import Any
 
 import numpy as np
 from aiohttp import WSMsgType, web
@@ -97,7 +98,8 @@ async def _wait_listening(call: Call, reader: asyncio.Future[None]) -> bool:
         return True
     waiters = {asyncio.ensure_future(call.closed.wait()), asyncio.ensure_future(call.wait_listening())}
     try:
-        await asyncio.wait({*waiters, reader}, return_when=asyncio.FIRST_COMPLETED)
+        pending: set[asyncio.Future[Any]] = {*waiters, reader}
+        await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for waiter in waiters:
             waiter.cancel()
@@ -107,7 +109,8 @@ async def _wait_listening(call: Call, reader: asyncio.Future[None]) -> bool:
 async def _next_frame(tap: InboundBuffer, reader: asyncio.Future[None]) -> np.ndarray | None:
     """The tap's next frame; None when the tap closed or the client went away first."""
     getter = asyncio.ensure_future(tap.get())
-    await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
+    pending: set[asyncio.Future[Any]] = {getter, reader}
+    await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
     if not getter.done():
         getter.cancel()
         return None

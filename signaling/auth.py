@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from signaling.errors import error_response
 from voicertc.config import AuthConfig
@@ -70,7 +71,7 @@ def principal_for(config: AuthConfig, token: str | None) -> Principal | None:
     return None
 
 
-def auth_middleware(config: AuthConfig) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def auth_middleware(config: AuthConfig) -> Middleware:
     """401 without a token, 403 with a wrong one, on /v1 (and /metrics with `protect_metrics`);
     elsewhere (/healthz) a valid token only unlocks details."""
 

@@ -5,11 +5,13 @@ Owned by the event loop (no locks): every update happens on the loop thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from voicertc.engine.batch_stats import BATCH_SIZE_BUCKETS, BatchStats
 from voicertc.engine.step_stats import StepStats
+
+Sample = tuple[dict[str, str], float]  # (labels, value) of one Prometheus sample
 
 CALL_COUNTERS = {
     "utterances": "Utterances requested.",
@@ -91,7 +93,7 @@ class Metrics:
         """The Prometheus text exposition (version 0.0.4)."""
         lines: list[str] = []
 
-        def metric(name: str, kind: str, help_text: str, samples: list[tuple[dict[str, str], float]]) -> None:
+        def metric(name: str, kind: str, help_text: str, samples: Sequence[Sample]) -> None:
             lines.append(f"# HELP {name} {help_text}")
             lines.append(f"# TYPE {name} {kind}")
             lines.extend(f"{name}{_labels(lab)} {value:g}" for lab, value in samples)
@@ -100,9 +102,16 @@ class Metrics:
         metric("voicertc_calls_total", "counter", "Calls accepted.", [({}, self.calls_total)])
         for name, help_text in CALL_COUNTERS.items():
             metric(f"voicertc_{name}_total", "counter", help_text, [({}, self.call_total(name))])
-        errors = [({"code": code}, n) for code, n in sorted(self.errors_total.items())] or [({}, 0)]
-        metric("voicertc_errors_total", "counter", "Error events reported to clients, by code.", errors)
-        http = [({"status": str(status)}, n) for status, n in sorted(self.http_errors_total.items())]
+        errors: list[Sample] = [({"code": code}, n) for code, n in sorted(self.errors_total.items())]
+        metric(
+            "voicertc_errors_total",
+            "counter",
+            "Error events reported to clients, by code.",
+            errors or [({}, 0)],
+        )
+        http: list[Sample] = [
+            ({"status": str(status)}, n) for status, n in sorted(self.http_errors_total.items())
+        ]
         metric(
             "voicertc_http_errors_total", "counter", "HTTP 4xx/5xx responses, by status.", http or [({}, 0)]
         )

@@ -60,7 +60,7 @@ def check_offer(sdp: str) -> None:
         c.mimeType.lower() in ("audio/opus", "audio/pcmu", "audio/pcma") for m in audio for c in m.rtp.codecs
     ):
         raise ApiError(400, "no_audio", "SDP offer has no audio codec the server can send (Opus, PCMU, PCMA)")
-    if not all(m.ice.usernameFragment and m.ice.password for m in parsed.media):
+    if not all(m.ice is not None and m.ice.usernameFragment and m.ice.password for m in parsed.media):
         raise ApiError(400, "bad_sdp", "SDP offer lacks ICE credentials (a=ice-ufrag, a=ice-pwd)")
 
 

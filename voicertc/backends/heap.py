@@ -23,7 +23,7 @@ def _load_malloc_trim() -> Callable[[int], int] | None:
         return None  # not glibc (musl, macOS): nothing to do
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int
-    return trim  # type: ignore[no-any-return]
+    return trim
 
 
 _MALLOC_TRIM = _load_malloc_trim()

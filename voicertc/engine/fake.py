@@ -34,6 +34,14 @@ class _FakeState:
     produced_samples: int = 0
     texts: list[tuple[int, str]] = field(default_factory=list)  # (start sample, chunk text) not yet sent
 
+    @staticmethod
+    def of(utt: Utterance) -> _FakeState:
+        """`utt`'s state, set by `begin`."""
+        state = utt.backend_state
+        if not isinstance(state, _FakeState):
+            raise RuntimeError(f"utterance {utt.utterance_id} has no fake-engine state")
+        return state
+
 
 class FakeBackend:
     name = "fake"
@@ -49,7 +57,7 @@ class FakeBackend:
         utt.backend_state = _FakeState()
 
     def _take_text(self, utt: Utterance) -> None:
-        state: _FakeState = utt.backend_state
+        state = _FakeState.of(utt)
         while True:
             split = next_text_chunk(utt.text, input_ended=utt.input_ended, first=not state.first_chunk_taken)
             if split is None:
@@ -64,7 +72,7 @@ class FakeBackend:
 
     def has_work(self, utt: Utterance, now_s: float) -> bool:
         self._take_text(utt)
-        state: _FakeState = utt.backend_state
+        state = _FakeState.of(utt)
         if state.remaining_samples > 0:
             if state.next_ready_s is None:
                 state.next_ready_s = (utt.first_text_s or now_s) + self.config.ttfa_ms / 1000.0
@@ -72,11 +80,11 @@ class FakeBackend:
         return utt.input_ended and not utt.text.strip()
 
     def wake_at(self, utt: Utterance) -> float | None:
-        state: _FakeState = utt.backend_state
+        state = _FakeState.of(utt)
         return state.next_ready_s if state.remaining_samples > 0 else None
 
     def step(self, utt: Utterance, now_s: float) -> SynthStep:
-        state: _FakeState = utt.backend_state
+        state = _FakeState.of(utt)
         if state.remaining_samples <= 0:
             return SynthStep(done=True)
         if 0 <= self.config.fail_after_chunks <= state.chunks_done:

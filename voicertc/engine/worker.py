@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from voicertc.engine.backend import Backend, StepResult, SynthStep, as_batch_backend
+from voicertc.engine.backend import Backend, BatchBackend, StepResult, SynthStep, as_batch_backend
 from voicertc.engine.batch_stats import BatchStats
 from voicertc.engine.protocol import (
     DEFAULT_OPTIONS,
@@ -122,7 +122,7 @@ class EngineWorker:
         self.pull_tokens = pull_tokens
         self.clock = clock
         self.observer = observer  # called on the engine thread after every batch (metrics)
-        self._planner = as_batch_backend(backend) if backend is not None else None
+        self._batch_backend = as_batch_backend(backend) if backend is not None else None
         self._iteration_started = 0.0  # clock at the start of the current loop iteration
         self._iteration_cpu = 0.0  # engine-thread CPU time at that moment
         self._last_runnable = 0  # units planned in the current iteration (runnable queue depth)
@@ -312,7 +312,7 @@ class EngineWorker:
         try:
             if self._backend_factory is not None:
                 self.backend = self._backend_factory()
-                self._planner = as_batch_backend(self.backend)
+                self._batch_backend = as_batch_backend(self.backend)
             return True
         except BaseException as exc:  # noqa: BLE001 - re-raised by start() on the caller's thread
             logger.error("engine %s: backend failed to load: %s", self.name, exc)
@@ -320,6 +320,13 @@ class EngineWorker:
             return False
         finally:
             self._ready.set()
+
+    @property
+    def _planner(self) -> BatchBackend[Any]:
+        """The backend as a batch backend (worker thread; built before the loop starts)."""
+        if self._batch_backend is None:
+            raise RuntimeError(f"engine {self.name}: the backend is not built")
+        return self._batch_backend
 
     def _runnable(self) -> tuple[list[Utterance], list[Job[Any]]]:
         """Sink heads with audio to write or done (no backend work), and the units the others planned."""
@@ -384,7 +391,7 @@ class EngineWorker:
         if isinstance(command, RunCommand):
             self._run_command(command)
             return
-        if isinstance(command, Wake):
+        if isinstance(command, Wake | Stop):
             return
         utt = self._utterances.get(command.utterance_id)
         if utt is None:
@@ -409,7 +416,7 @@ class EngineWorker:
             command.future.set_result(result)
 
     def _open(self, command: OpenUtterance) -> None:
-        utt = Utterance(
+        utt: Utterance[Any] = Utterance(
             utterance_id=command.utterance_id,
             voice=command.voice,
             sink=command.sink,

@@ -9,7 +9,7 @@ import sys
 from voicertc.errors import VoiceRTCError
 
 
-def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     export = commands.add_parser("export", help="export a CosyVoice2 model directory for vLLM / ONNX")
     kinds = export.add_subparsers(dest="export_kind", required=True)
     vllm = kinds.add_parser("vllm", help="the speech LLM as a Hugging Face model for vLLM")

@@ -20,8 +20,8 @@ def to_16k_mono(pcm: np.ndarray, channels: int) -> np.ndarray:
     """Interleaved int16 PCM with `channels` channels -> mono float32 in [-1, 1] (not yet resampled)."""
     samples = np.asarray(pcm).reshape(-1)
     if channels > 1:
-        samples = samples[: samples.size - samples.size % channels].reshape(-1, channels)
-        return samples.astype(np.float32).mean(axis=1) / 32768.0
+        frames = samples[: samples.size - samples.size % channels].reshape(-1, channels)
+        return frames.astype(np.float32).mean(axis=1) / 32768.0
     return samples.astype(np.float32) / 32768.0
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from av import AudioFrame
 
 from voicertc.config import ListenConfig
 from voicertc.listen.bargein import BargeInDecision, BargeInPolicy
@@ -264,6 +265,8 @@ class CallListener:
         with contextlib.suppress(MediaStreamError):
             while not self.closed:
                 frame = await track.recv()
+                if not isinstance(frame, AudioFrame):
+                    continue  # a microphone track yields audio frames only
                 self.frames_received += 1
                 pcm = frame.to_ndarray()
                 channels = len(frame.layout.channels)

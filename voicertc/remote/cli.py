@@ -22,7 +22,7 @@ from voicertc.config import BACKENDS, Config, load_config
 from voicertc.errors import VoiceRTCError
 
 
-def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cmd = commands.add_parser("engine-serve", help="deploy the speech engine as a Ray Serve application")
     cmd.add_argument("--config", help="config.toml (default: ./config.toml when present, else defaults)")
     cmd.add_argument("--address", help="Ray cluster address (ray.address)")

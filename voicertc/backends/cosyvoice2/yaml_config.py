@@ -45,7 +45,13 @@ for _kind in ("new:", "name:", "apply:"):
     _Loader.add_multi_constructor(
         f"!{_kind}", lambda loader, suffix, node, k=_kind: _tagged(loader, suffix, node, k)
     )
-_Loader.add_constructor("!ref", lambda loader, node: _Ref(loader.construct_scalar(node)))
+
+
+def _ref(loader: _Loader, node: yaml.ScalarNode) -> _Ref:
+    return _Ref(loader.construct_scalar(node))
+
+
+_Loader.add_constructor("!ref", _ref)
 
 
 _OPS = {

@@ -14,10 +14,11 @@ Written into OUT (~90 MB, a few seconds):
 
 One deliberate change to `llm.pt`, the v3 analogue of the CosyVoice2 tiny directory's eos bias (v3's
 `llm_decoder` has no bias): every speech-side input embedding gets +100 in channel 0, that channel of
-`llm_decoder` is zeroed except for row 6561 (sos, a stop id, masked below the minimum length), which
-reads it with weight 100, and the other 199 stop rows are zeroed. The backbone's output then always
-scores 6561 far above everything else, so generation stops exactly at the minimum length: 2 speech
-tokens = 80 ms per text token, as for the v2 tiny directory.
+`llm_decoder` is zeroed except for the stop rows: row 6561 (sos, a stop id, masked below the minimum
+length) reads it with weight +100, the other 199 stop rows with -100. The backbone's output then always
+scores 6561 far above everything else and the other stop ids far below (not even RAS's fallback draw
+over the whole softmax picks them), so generation stops exactly at the minimum length: 2 speech tokens =
+80 ms per text token, as for the v2 tiny directory.
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ def stop_at_min_len(llm_path: Path) -> None:
     emb, dec = state["speech_embedding.weight"], state["llm_decoder.weight"]  # [6761, H] each
     emb[:, 0] += MARK
     dec[:, 0] = 0.0
-    dec[SPEECH_TOKEN_SIZE + 1 : SPEECH_TOKEN_SIZE + STOP_ROWS] = 0.0
-    dec[SPEECH_TOKEN_SIZE] = 0.0
+    dec[SPEECH_TOKEN_SIZE : SPEECH_TOKEN_SIZE + STOP_ROWS] = 0.0
     dec[SPEECH_TOKEN_SIZE, 0] = READ
+    dec[SPEECH_TOKEN_SIZE + 1 : SPEECH_TOKEN_SIZE + STOP_ROWS, 0] = -READ  # never sampled, not even by RAS
     torch.save(state, llm_path)
 
 

@@ -59,7 +59,7 @@ def cv3_server_url(cv3_speaking_dir, tmp_path_factory):
         "--port",
         "0",
     ]
-    with running_server(args) as url:
+    with running_server(args, start_timeout_s=240.0) as url:  # a loaded host: model load + warm-up
         yield url
 
 
@@ -87,6 +87,8 @@ async def test_cosyvoice3_speaks_through_the_page(cv3_server_url, cv3_speaking_d
         loud = rms[rms > LOUD_RMS]
         sound_ms = 20.0 * len(loud)
         print(f"engine {expected_ms:.0f} ms, played {done['played_ms']:.0f} ms, page heard {sound_ms:.0f} ms")
-        assert 0.8 * expected_ms <= sound_ms <= expected_ms + 200.0
+        # the page may hear a little more than was played: under host load Chromium's jitter buffer
+        # stretches the audio (seen: +240 ms on 8.3 s with load average 15 on 2 cores)
+        assert 0.8 * expected_ms <= sound_ms <= 1.05 * expected_ms + 200.0
         assert np.sqrt(np.mean(loud**2)) > MIN_SPEECH_RMS, "the sound is too faint to be the engine's"
         await hang_up(page)

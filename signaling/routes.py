@@ -96,12 +96,12 @@ async def create_call(request: web.Request) -> web.Response:
         offer, voice, as_json = await _text_body(request, "SDP offer"), None, False
     elif request.content_type == "application/json":
         body = await _json_body(request)
-        offer, voice, as_json = body.get("sdp"), body.get("voice"), True
+        sdp, voice, as_json = body.get("sdp"), body.get("voice"), True
         if body.get("type") != "offer":
             raise ApiError(400, "bad_sdp", 'JSON body needs "type": "offer"')
-        if not isinstance(offer, str):
+        if not isinstance(sdp, str):
             raise ApiError(400, "bad_sdp", 'JSON body needs "sdp": the offer as a string')
-        voice = _voice(voice)
+        offer, voice = sdp, _voice(voice)
     else:
         raise _unsupported(request, "application/sdp or application/json")
     check_offer(offer)

@@ -93,6 +93,9 @@ class BatchBackend(Protocol[S]):
     def close(self) -> None: ...
 
 
+AnyBackend = Backend | BatchBackend[Any]  # what a worker runs: either shape
+
+
 def is_batch_backend(backend: object) -> bool:
     return callable(getattr(backend, "plan", None)) and callable(getattr(backend, "run", None))
 

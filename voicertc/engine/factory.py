@@ -9,39 +9,44 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from voicertc.config import Config
-from voicertc.engine.backend import Backend
+from voicertc.engine.backend import AnyBackend
 from voicertc.engine.pool import EnginePool
 from voicertc.engine.protocol import Engine
 from voicertc.engine.worker import EngineWorker
 from voicertc.errors import ConfigError
 
 
-def backend_factory(config: Config) -> Callable[[], Backend]:
+def backend_factory(config: Config) -> Callable[[], AnyBackend]:
     """A function that builds the configured backend (called on the worker thread)."""
     kind = config.engine.model_name
     if kind == "fake":
         from voicertc.engine.fake import FakeBackend
 
-        return lambda: FakeBackend(config.fake)  # type: ignore[return-value]
+        return lambda: FakeBackend(config.fake)
     if kind == "piper":
         try:
             from voicertc.backends.piper import PiperBackend
         except ImportError as exc:
             raise ConfigError(f"engine model 'piper' needs the cpu-voice extra: {exc}") from exc
-        return lambda: PiperBackend(  # type: ignore[return-value]
+        return lambda: PiperBackend(
             threads=config.engine.piper_threads,
             first_clause_min_chars=config.engine.first_clause_min_chars,
             max_step_ms=config.engine.max_step_ms,
             piece_phonemes=config.engine.piper_piece_phonemes,
         )
+    create: Callable[[Config], AnyBackend]
     try:
         if kind == "cosyvoice3":
-            from voicertc.backends.cosyvoice3.engine_backend import create_backend
+            from voicertc.backends.cosyvoice3.engine_backend import create_backend as create_v3
+
+            create = create_v3
         else:
-            from voicertc.backends.cosyvoice2.engine_backend import create_backend  # type: ignore[assignment]
+            from voicertc.backends.cosyvoice2.engine_backend import create_backend as create_v2
+
+            create = create_v2
     except ImportError as exc:
         raise ConfigError(f"engine model {kind!r} needs the cosyvoice extra: {exc}") from exc
-    return lambda: create_backend(config)  # type: ignore[return-value]
+    return lambda: create(config)
 
 
 def create_engine(config: Config, *, local: bool = False) -> Engine:
@@ -57,7 +62,7 @@ def create_engine(config: Config, *, local: bool = False) -> Engine:
             raise ConfigError(
                 f"engine.backend = 'ray' needs the scale extra (pip install voicertc[scale]): {exc}"
             ) from exc
-        return RemoteEngine(config)  # type: ignore[return-value]
+        return RemoteEngine(config)
     build = backend_factory(config)
     model = config.engine.model_name
     workers = [

@@ -25,7 +25,14 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from voicertc.engine.backend import Backend, BatchBackend, StepResult, SynthStep, as_batch_backend
+from voicertc.engine.backend import (
+    AnyBackend,
+    Backend,
+    BatchBackend,
+    StepResult,
+    SynthStep,
+    as_batch_backend,
+)
 from voicertc.engine.batch_stats import BatchStats
 from voicertc.engine.protocol import (
     DEFAULT_OPTIONS,
@@ -93,9 +100,9 @@ class EngineWorker:
 
     def __init__(
         self,
-        backend: Backend | None = None,
+        backend: AnyBackend | None = None,
         *,
-        backend_factory: Callable[[], Backend] | None = None,
+        backend_factory: Callable[[], AnyBackend] | None = None,
         name: str = "",
         default_voice: str = "",
         max_text_chars: int = 20_000,
@@ -109,7 +116,7 @@ class EngineWorker:
     ) -> None:
         if (backend is None) == (backend_factory is None):
             raise ValueError("give exactly one of backend and backend_factory")
-        self.backend: Backend = backend  # type: ignore[assignment]  # set on the worker thread if lazy
+        self.backend: AnyBackend | None = backend  # set on the worker thread if lazy
         self._backend_factory = backend_factory
         self.name = name or getattr(backend, "name", "engine")
         self.default_voice = default_voice

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from voicertc.backends.cosyvoice2.flow import CausalFlow
+from voicertc.backends.cosyvoice2.flow_estimator import CausalConditionalDecoder
 from voicertc.backends.cosyvoice2.hift import HiftConfig, HiFTGenerator
 from voicertc.backends.cosyvoice2.hift_weights import load_hift_state_dict
 from voicertc.backends.cosyvoice2.loader import YAML_NAME
@@ -46,6 +47,11 @@ def export_onnx(model_dir: str | Path, out: str | Path, opset: int = 18) -> list
         raise ModelDirError(f"{model_dir}: not a directory")
     flow = CausalFlow.from_model_dir(model_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = [export_estimator(flow.decoder.estimator, out / ESTIMATOR_FILE, opset)]
+    estimator = flow.decoder.estimator
+    if not isinstance(estimator, CausalConditionalDecoder):
+        raise ModelDirError(
+            f"{model_dir}: the ONNX export covers CosyVoice2's estimator, not a {type(estimator).__name__}"
+        )
+    paths = [export_estimator(estimator, out / ESTIMATOR_FILE, opset)]
     paths += export_hift(load_hift(model_dir), out, opset)
     return paths

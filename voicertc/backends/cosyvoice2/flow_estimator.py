@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -224,6 +224,11 @@ def _stage(dim_in: int, cfg: EstimatorConfig, tail: bool) -> nn.ModuleList:
     return nn.ModuleList(parts)
 
 
+def _parts(stage: nn.Module) -> nn.ModuleList:
+    """A `_stage` (or its transformer blocks): nn.ModuleList is not generic, its items type as Module."""
+    return cast(nn.ModuleList, stage)
+
+
 class CausalConditionalDecoder(nn.Module):
     """Velocity v(x, t | mu, speaker, cond) for new frames, given the caches of earlier frames."""
 
@@ -247,7 +252,7 @@ class CausalConditionalDecoder(nn.Module):
 
     def _resnet_and_blocks(self, stage: nn.ModuleList, x: Tensor, t_emb: Tensor, batch: _Batch) -> Tensor:
         x = stage[0](x, t_emb, batch).transpose(1, 2)
-        for block in stage[1]:
+        for block in _parts(stage[1]):
             x = block(x, batch)
         return x.transpose(1, 2)
 
@@ -277,12 +282,12 @@ class CausalConditionalDecoder(nn.Module):
         frames = x.shape[2]
         t_emb = self.time_mlp(self.time_embeddings(t).to(t.dtype))
         h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, frames), cond], dim=1)
-        down = self.down_blocks[0]
+        down = _parts(self.down_blocks[0])
         skip = self._resnet_and_blocks(down, h, t_emb, batch)
         h = down[2](skip, batch)
         for stage in self.mid_blocks:
-            h = self._resnet_and_blocks(stage, h, t_emb, batch)
-        up = self.up_blocks[0]
+            h = self._resnet_and_blocks(_parts(stage), h, t_emb, batch)
+        up = _parts(self.up_blocks[0])
         h = self._resnet_and_blocks(up, torch.cat([h, skip], dim=1), t_emb, batch)
         h = up[2](h, batch)
         h = self.final_block(h, batch)

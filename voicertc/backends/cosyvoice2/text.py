@@ -83,7 +83,9 @@ class TextTokenizer:
         return list(self.hf([text])["input_ids"][0])
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=True)
+        text = self.hf.decode(list(ids), skip_special_tokens=True)
+        assert isinstance(text, str)  # one sequence of ids decodes to one string
+        return text
 
 
 # ---- normalisation ----------------------------------------------------------------------------------

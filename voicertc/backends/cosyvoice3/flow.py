@@ -37,7 +37,7 @@ class CausalFlowV3(CausalFlow):
 
     def __init__(self, cfg: FlowV3Config) -> None:  # noqa: D107 - the parent's modules differ
         nn.Module.__init__(self)
-        self.cfg = cfg  # type: ignore[assignment]
+        self.cfg = cfg
         self.input_embedding = nn.Embedding(cfg.vocab_size, cfg.input_size)
         self.spk_embed_affine_layer = nn.Linear(cfg.spk_embed_dim, cfg.mel_bins)
         self.pre_lookahead_layer = PreLookaheadLayer(

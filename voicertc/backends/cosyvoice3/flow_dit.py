@@ -184,6 +184,8 @@ class DiTBlock(nn.Module):
 class RotaryEmbedding(nn.Module):
     """x-transformers' RotaryEmbedding: only the (checkpointed) `inv_freq` buffer."""
 
+    inv_freq: Tensor  # registered buffer
+
     def __init__(self, dim_head: int) -> None:
         super().__init__()
         inv_freq = 1.0 / (10000 ** (torch.arange(0, dim_head, 2).float() / dim_head))

@@ -43,16 +43,16 @@ class HiftV3Config(HiftConfig):
     conv_pre_look_right: int = 4
 
     @staticmethod
-    def from_yaml(node: dict[str, Any]) -> HiftV3Config:  # type: ignore[override]
+    def from_yaml(node: dict[str, Any]) -> HiftV3Config:
         """Reads the `hift` node of cosyvoice3.yaml (as `load_yaml` returns it)."""
         where = "cosyvoice3.yaml: hift"
         if tag_of(node) != HIFT_TAG:
             raise ModelDirError(f"{where} must be !{HIFT_TAG}, got {tag_of(node)!r}")
         f0 = node.get("f0_predictor")
-        if tag_of(f0) != F0_TAG or int(f0.get("num_class", 1)) != 1:
+        if not isinstance(f0, dict) or tag_of(f0) != F0_TAG or int(f0.get("num_class", 1)) != 1:
             raise ModelDirError(f"{where}.f0_predictor must be !{F0_TAG} with num_class 1")
         try:
-            base = {
+            base: dict[str, Any] = {
                 "in_channels": int(node.get("in_channels", 80)),
                 "base_channels": int(node["base_channels"]),
                 "nb_harmonics": int(node["nb_harmonics"]),
@@ -197,6 +197,8 @@ class CausalF0Predictor(nn.Module):
 
 class CausalHiFTGenerator(nn.Module):
     """The v3 vocoder. Stateless between calls except the fixed noise buffers (`set_noise`)."""
+
+    stft_window: Tensor  # registered buffer
 
     def __init__(self, config: HiftV3Config) -> None:
         super().__init__()

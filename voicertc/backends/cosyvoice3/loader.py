@@ -86,13 +86,15 @@ class CosyVoice3Model(CosyVoice2Model):
             return voice_from_wav(self, path, transcript, voice_id)  # the v2 error for an empty transcript
         return voice_from_wav(self, path, with_endofprompt(transcript.strip()), voice_id)
 
-    def token2wav_stream(  # type: ignore[override]
+    def token2wav_stream(
         self, voice: Voice, schedule: ChunkSchedule | None = None, **options: Any
     ) -> Token2WavStreamV3:
         """A per-utterance `Token2WavStreamV3` on `voice` (default `ChunkSchedule()`)."""
         from voicertc.backends.cosyvoice3.token2wav import open_stream_v3
         from voicertc.engine.schedule import ChunkSchedule
 
+        if not isinstance(self.hift, CausalHiFTGenerator):  # the v2 field type; `load` puts v3's there
+            raise TypeError(f"a CosyVoice3 model needs a CausalHiFTGenerator, not {type(self.hift).__name__}")
         prompt = (voice.flow_prompt_tokens, voice.prompt_feat, voice.embedding)
         return open_stream_v3(
             self.flow,
@@ -100,7 +102,7 @@ class CosyVoice3Model(CosyVoice2Model):
             voice.flow_state,
             prompt,
             schedule or ChunkSchedule(),
-            **options,  # type: ignore[arg-type]
+            **options,
         )
 
 

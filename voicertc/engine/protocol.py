@@ -186,9 +186,15 @@ class Engine(Protocol):
         ...
 
     def open_utterance(
-        self, voice: str | None, sink: AudioSink, on_event: EventCallback, utterance_id: str | None = None
+        self,
+        voice: str | None,
+        sink: AudioSink,
+        on_event: EventCallback,
+        utterance_id: str | None = None,
+        options: SpeakOptions | None = None,
     ) -> str:
-        """Open an utterance on `voice` (None = default) writing into `sink`; returns its id."""
+        """Open an utterance on `voice` (None = default) writing into `sink`; returns its id. `options`
+        (instruct / speed) is passed only when set, so an engine without the parameter still works."""
         ...
 
     def push_text(self, utterance_id: str, text: str) -> None:

@@ -138,7 +138,7 @@ def speed_checks(model_dir: Path, onnx_dir: Path, runs: int, quick: bool) -> tup
     from voicertc.export.measure import PATHS, Workload, measure_paths
 
     work = Workload(llm_tokens=200, speech_tokens=250, runs=runs)
-    paths = PATHS
+    paths: tuple[str, ...] = PATHS
     if quick:  # torch.compile on CPU spends minutes in the C++ compiler: left out of --quick
         work, paths = Workload(llm_tokens=20, speech_tokens=80, runs=1), ("eager fp32", "bf16", "onnx")
     results = measure_paths(model_dir, onnx_dir, paths, work)
@@ -206,7 +206,8 @@ def run_doctor(
             _guard("onnx estimator", lambda: check_onnx_estimator(directory, onnx_dir)),
             _guard("onnx hift", lambda: check_onnx_hift(directory, onnx_dir)),
         ]
-        speed, cpu_table = [], ""
+        speed: list[Check] = []
+        cpu_table = ""
         try:
             speed, cpu_table = speed_checks(directory, onnx_dir, runs, quick)
         except Exception as exc:

@@ -176,7 +176,7 @@ class EngineReplica:
         options = SpeakOptions(instruct=instruct, speed=speed)
         try:
             if options:
-                self.engine.open_utterance(voice, sink, sink.on_event, utterance_id, options)  # type: ignore[call-arg]
+                self.engine.open_utterance(voice, sink, sink.on_event, utterance_id, options)
             else:
                 self.engine.open_utterance(voice, sink, sink.on_event, utterance_id)
         except VoiceRTCError as exc:

@@ -78,7 +78,7 @@ class Call:
         self.utterances = 0
         self._subscribers: list[asyncio.Queue[ClientEvent | None]] = []
         self._overflowed: set[asyncio.Queue[ClientEvent | None]] = set()
-        self._on_close: list[Callable[[Call], None]] = []
+        self._on_close: list[Callable[[Call], object]] = []
         self.on_event: Callable[[ClientEvent], None] | None = None  # metrics hook
         self._watchdog: asyncio.Task[None] | None = None
         self.remote_ice: set[tuple[str, str]] = set()  # the offer's (ufrag, pwd) pairs
@@ -109,7 +109,7 @@ class Call:
         self.remote_ice = {
             (m.ice.usernameFragment, m.ice.password)
             for m in parsed.media
-            if m.ice.usernameFragment and m.ice.password
+            if m.ice is not None and m.ice.usernameFragment and m.ice.password
         }
         self._expects_channel = any(m.kind == "application" for m in parsed.media)
         audio = [m for m in parsed.media if m.kind == "audio"]
@@ -293,7 +293,7 @@ class Call:
         """True when `queue` was dropped for falling behind (its `None` does not mean the call closed)."""
         return queue in self._overflowed
 
-    def add_close_listener(self, callback: Callable[[Call], None]) -> None:
+    def add_close_listener(self, callback: Callable[[Call], object]) -> None:
         """`callback(call)` runs when the call closes; at once when it already has."""
         if self.closed.is_set():
             callback(self)

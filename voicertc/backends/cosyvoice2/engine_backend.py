@@ -33,6 +33,7 @@ from voicertc.backends.cosyvoice2.accel import apply_accel
 from voicertc.backends.cosyvoice2.bistream import BistreamSession
 from voicertc.backends.cosyvoice2.device_lane import DeviceLane, resolve_device
 from voicertc.backends.cosyvoice2.engine_state import Cv2State, FlowedChunk
+from voicertc.backends.cosyvoice2.flow import FlowStreamState
 from voicertc.backends.cosyvoice2.hift_batch import vocode_batch
 from voicertc.backends.cosyvoice2.hift_stream import HiftStreamState
 from voicertc.backends.cosyvoice2.llm_batch import KVSlot, SlotKV, decode_batch
@@ -381,23 +382,22 @@ class CosyVoice2Backend:
         try:
             t2ws = [self._t2w(job) for job in group]
             plans = [t2w.plan(final=final) for t2w in t2ws]
+            flow_states = [_flow_state(job, t2w) for job, t2w in zip(group, t2ws, strict=True)]
         except Exception as exc:  # noqa: BLE001 - a broken state: fail the members one by one
             if len(group) == 1:
                 return [exc]
             return [r for job in group for r in self._flow_group([job])]
-        saved = [t.flow_state.clone() for t in t2ws] if len(group) > 1 else []  # type: ignore[union-attr]
+        saved = [state.clone() for state in flow_states] if len(group) > 1 else []
+        ready = [p for p in plans if p is not None]
         started = time.perf_counter()
         try:
-            if any(p is None for p in plans):
+            if len(ready) != len(plans):
                 raise RuntimeError("flow chunk planned but not ready")
             if whole:
-                assert plans[0] is not None
-                mels = [t2ws[0].flow_mel(plans[0])]
+                mels = [t2ws[0].flow_mel(ready[0])]
             else:
                 mels = self.model.flow.stream_step_batch(
-                    [p.new_tokens for p in plans],
-                    [t.flow_state for t in t2ws],
-                    finalize=final,  # type: ignore[union-attr,misc]
+                    [p.new_tokens for p in ready], flow_states, finalize=final
                 )
         except Exception as exc:  # noqa: BLE001 - retried alone below (or the lone member fails)
             if len(group) == 1:
@@ -411,8 +411,7 @@ class CosyVoice2Backend:
         if len(group) > 1:
             self.stats["batches"] += 1
             self.stats["batched_chunks"] += len(group)
-        for job, plan, mel in zip(group, plans, mels, strict=True):
-            assert plan is not None
+        for job, plan, mel in zip(group, ready, mels, strict=True):
             self._state(job).flowed = FlowedChunk(plan, mel, flow_s)
         return [SynthStep(sample_rate_hz=SAMPLE_RATE_HZ) for _ in group]
 
@@ -469,6 +468,12 @@ class CosyVoice2Backend:
         utt.add_metric("vocoder_s", chunk.vocoder_s)
         self.stats["chunks"] += 1
         return chunk
+
+
+def _flow_state(job: Cv2Job, t2w: Token2WavStream) -> FlowStreamState:
+    if t2w.flow_state is None:
+        raise RuntimeError(f"utterance {job.utt.utterance_id}: no flow state")
+    return t2w.flow_state
 
 
 def _hift_snapshot(t2w: Token2WavStream) -> HiftStreamState | None:

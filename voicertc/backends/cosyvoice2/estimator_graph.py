@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from voicertc.backends.cosyvoice2.flow_estimator import (
     Attention,
@@ -56,7 +56,9 @@ class GraphLayout:
         return sum(c for _, c in self.conv_slots)
 
     @staticmethod
-    def of(estimator: CausalConditionalDecoder) -> GraphLayout:
+    def of(estimator: nn.Module) -> GraphLayout:
+        if not isinstance(estimator, CausalConditionalDecoder):
+            raise ValueError(f"the graph layout covers CosyVoice2's UNet, not {type(estimator).__name__}")
         convs = sorted((m.slot, m) for m in estimator.modules() if isinstance(m, CausalConv1d))
         attns = [m for m in estimator.modules() if isinstance(m, Attention)]
         widths = {m.kernel_size[0] - 1 for _, m in convs}

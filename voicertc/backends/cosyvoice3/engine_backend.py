@@ -54,7 +54,7 @@ def v3_prompt(voice: Voice, instruct: str, encode) -> LlmPrompt:  # noqa: ANN001
 class Cv3State(Cv2State):
     """CosyVoice2's state; deltas become one unistream LLM call per sentence (no bistream)."""
 
-    def plan(self, utt: Utterance[Cv2State]) -> Work | None:  # type: ignore[override]
+    def plan(self, utt: Utterance[Cv2State]) -> Work | None:
         if self.done:
             return None
         if self.flowed is not None:
@@ -172,6 +172,6 @@ def create_backend(config: Config) -> CosyVoice3Backend:
         grid_tokens=s.grid_tokens or None,
         final_chunk=s.final_chunk,  # type: ignore[arg-type]
     )
-    backend = CosyVoice3Backend(model, schedule, engine.voices_dir or None)  # type: ignore[arg-type]
+    backend = CosyVoice3Backend(model, schedule, engine.voices_dir or None)
     backend.warm_up()
     return backend

@@ -14,7 +14,8 @@ OFFLINE := $(shell tests/offline_netns.sh true >/dev/null 2>&1 && echo tests/off
 serve: install
 	$(BIN)/voicertc serve $(ARGS)
 
-test: install-dev chromium
+# The static checks first (mypy on the package, ruff on everything): CI runs exactly this target.
+test: install-dev chromium typecheck lint
 	HF_HUB_OFFLINE=1 $(OFFLINE) $(BIN)/python -m pytest -q $(ARGS)
 
 install: $(VENV)/.installed

@@ -13,16 +13,14 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from bench.golden import GOLDEN
 from bench.report import table, write_json
 from voicertc.backends.cosyvoice2.flow import CausalFlow, load_flow_state_dict
 from voicertc.backends.cosyvoice2.flow_config import FlowConfig
 from voicertc.backends.cosyvoice2.yaml_config import load_yaml
-
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
 
 
 def build(full: bool, device: str) -> CausalFlow:

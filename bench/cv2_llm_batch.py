@@ -2,11 +2,13 @@
 
     .venv/bin/python -m bench.make_full_model_dir             # random full-size weights (once)
     .venv/bin/python -m bench.cv2_llm_batch [--model-dir .models/cv2_full] [--batch 1 2 4 8]
+    python -m bench.cv2_llm_batch --device cuda --dtype bfloat16 --graphs --batch 1 8 16 32   # GPU
 
 B sessions (30 text tokens, a 75-token prompt, RAS sampling with their own generators) are prefilled
 on their own slots of one `SlotKV`, then `decode_batch` runs all B rows per step. Reports wall ms per
 step (p50 over the runs), the engine thread's CPU ms per step, and total tokens/s (B / step time), with
-the speed-up over batch 1. Writes bench/results/cv2_llm_batch_<device>.json.
+the speed-up over batch 1. `--graphs` runs the batched rows as CUDA graph replays (`DecodeGraphs`, one
+per batch bucket; CUDA only). Writes bench/results/cv2_llm_batch_<device>.json.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ import torch
 
 from bench.make_full_model_dir import DEFAULT_OUT
 from bench.report import summary, table, write_json
+from voicertc.backends.cosyvoice2.decode_graphs import DecodeGraphs
 from voicertc.backends.cosyvoice2.llm_batch import SlotKV, decode_batch
 from voicertc.backends.cosyvoice2.loader import load_llm
 
 
-def run_batch(llm, batch: int, steps: int, warmup: int, device: str) -> dict[str, object]:
-    pool = SlotKV(llm.llm.model.model, slots=max(batch, 1), capacity=512)
+def run_batch(llm, batch: int, steps: int, warmup: int, device: str, graphs: bool) -> dict[str, object]:
+    pool = SlotKV(llm.llm.model.model, slots=max(batch, 1) + 1, capacity=512)
+    static = DecodeGraphs(pool, llm.llm_decoder, max_rows=batch) if graphs else None
     gen = torch.Generator().manual_seed(1)
     sessions = []
     for row in range(batch):
@@ -35,13 +39,13 @@ def run_batch(llm, batch: int, steps: int, warmup: int, device: str) -> dict[str
         )
         session.min_len, session.max_len = 10_000, 10_000  # never stops during the timing
         sessions.append(session)
-    decode_batch(llm, sessions)  # the prompts (fed row by row)
+    decode_batch(llm, sessions, static)  # the prompts (fed row by row)
     for _ in range(warmup):
-        decode_batch(llm, sessions)
+        decode_batch(llm, sessions, static)
     wall, cpu = [], []
     for _ in range(steps):
         started, cpu_started = time.perf_counter(), time.thread_time()
-        out = decode_batch(llm, sessions)
+        out = decode_batch(llm, sessions, static)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         wall.append(1000 * (time.perf_counter() - started))
@@ -64,10 +68,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--graphs", action="store_true", help="CUDA graph per batch bucket (CUDA only)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    llm = load_llm(args.model_dir, args.device)
-    results = [run_batch(llm, b, args.steps, args.warmup, args.device) for b in args.batch]
+    llm = load_llm(args.model_dir, args.device, dtype=getattr(torch, args.dtype))
+    results = [run_batch(llm, b, args.steps, args.warmup, args.device, args.graphs) for b in args.batch]
     base = results[0]["tokens_per_s"]
     rows = [
         {
@@ -84,7 +90,8 @@ def main() -> None:
     load = os.getloadavg()[0]
     print(f"load average (1 min): {load:.1f}")
     path = write_json(
-        f"cv2_llm_batch_{args.device.replace(':', '')}", {"results": results, "load_avg_1m": load}
+        f"cv2_llm_batch_{args.device.replace(':', '')}_{args.dtype}{'_graphs' if args.graphs else ''}",
+        {"args": vars(args), "results": results, "load_avg_1m": load},
     )
     print(f"wrote {path}")
 

@@ -143,14 +143,22 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=250, help="speech tokens per utterance at most")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--cuda-graphs", action="store_true", help="[engine] cuda_graphs (CUDA only)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.model_dir == str(DEFAULT_OUT):
         make_full_model_dir(DEFAULT_OUT)
     model = load(args.model_dir, args.device, DTYPES[args.dtype] if args.device != "cpu" else torch.float32)
-    options = BackendOptions(seed=5, max_segment_tokens=args.max_tokens, max_batch=max(args.concurrency))
+    options = BackendOptions(
+        seed=5,
+        max_segment_tokens=args.max_tokens,
+        max_batch=max(args.concurrency),
+        cuda_graphs=args.cuda_graphs,
+        graph_rows=max(args.concurrency),
+    )
     backend = CosyVoice2Backend(model, options=options)
     voice = pick_voice(backend, model)
+    backend.warm_up()  # as create_backend does: kernels, allocators, and the decode graphs if asked
     engine = EngineWorker(backend, default_voice=voice, max_utterances=max(args.concurrency) + 1)
     engine.start()
     try:
@@ -160,7 +168,8 @@ def main() -> None:
         engine.stop()
     print(table([_row(r) for r in results], list(_row(results[0]))))  # noqa: T201 - benchmark output
     record = {"args": vars(args), "device_name": _device_name(args.device), "results": results}
-    print("wrote", write_json(f"cv2_load_{args.device.split(':')[0]}", record))  # noqa: T201
+    name = f"cv2_load_{args.device.split(':')[0]}_{args.dtype}{'_graphs' if args.cuda_graphs else ''}"
+    print("wrote", write_json(name, record))  # noqa: T201
 
 
 def _device_name(device: str) -> str:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from bench.golden import GOLDEN
 from bench.make_full_model_dir import full_size_yaml
 from bench.report import summary, table, write_json
 from voicertc.backends.cosyvoice2.yaml_config import load_yaml
@@ -42,7 +43,6 @@ from voicertc.backends.cosyvoice3.hift import (
 )
 from voicertc.engine import ChunkSchedule
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
 PROMPT_TOKENS = 75
 LOOKAHEAD = 3
 WAYS = ("inc_flow", "inc_hift", "rerun_flow", "rerun_hift")

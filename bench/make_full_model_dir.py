@@ -24,10 +24,9 @@ from pathlib import Path
 
 import torch
 
+from bench.golden import GOLDEN, REPO
 from bench.qwen_tokenizer_files import write_real_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
-GOLDEN = REPO.parent / "shared" / "golden"
 DEFAULT_OUT = REPO / ".models" / "cv2_full"
 OFFICIAL_VALUE = re.compile(r"^(\s*[A-Za-z_]+:\s*)[^#\n]*?\s*# official: (.+)$", re.MULTILINE)
 RECIPES = {

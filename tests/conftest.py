@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import re
 import shutil
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-GOLDEN = REPO.parent / "shared" / "golden"
+GOLDEN = Path(os.environ.get("VOICERTC_GOLDEN") or REPO.parent / "shared" / "golden")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -14,7 +14,9 @@ from engine_helpers import EventLog, RecordingSink
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
-from voicertc.backends.cosyvoice2.loader import load
+from voicertc.backends.cosyvoice2.decode_graphs import DecodeGraphs
+from voicertc.backends.cosyvoice2.llm_batch import SlotKV
+from voicertc.backends.cosyvoice2.loader import load, load_llm
 from voicertc.config import Config, EngineConfig
 from voicertc.engine import ChunkSchedule, Done, FirstAudio
 from voicertc.engine.factory import create_engine
@@ -36,8 +38,33 @@ def test_streaming_chunks_on_cuda_match_the_reference(tiny_model_dir, golden_dir
     assert all(np.isfinite(c.pcm).all() for c in chunks)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_the_engine_speaks_on_cuda(tiny_model_dir, golden_dir, tmp_path, dtype):
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_decode_graph_replays_match_the_eager_step(tiny_model_dir, rows):
+    """The captured CUDA graph of a bucket gives the eager batched step's logits, step after step."""
+    llm = load_llm(tiny_model_dir, "cuda")
+    backbone, head = llm.llm.model.model, llm.llm_decoder
+    hidden = backbone.config.hidden_size
+    eager_pool, graph_pool = SlotKV(backbone, slots=8, capacity=64), SlotKV(backbone, slots=8, capacity=64)
+    graphs = DecodeGraphs(graph_pool, head, max_rows=8)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randn(1, 5 + 4 * i, hidden, generator=gen).cuda() for i in range(rows)]
+    eager_rows, graph_rows = [], []
+    for prompt in prompts:
+        eager_rows.append(eager_pool.acquire())
+        graph_rows.append(graph_pool.acquire())
+        eager_rows[-1].feed(prompt)
+        graph_rows[-1].feed(prompt)
+    for _ in range(80):  # passes the capacity of 64: the pool grows and the graphs are captured again
+        embeds = torch.randn(rows, 1, hidden, generator=gen).cuda()
+        expected = head(eager_pool.forward(eager_rows, embeds)[:, -1])
+        assert_close(graphs.logits(graph_rows, embeds), expected, atol=1e-4, rtol=1e-4)
+    assert graphs.captures >= 2 and graphs.replays == 80 and graph_pool.capacity == 128
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cuda_graphs"), [("float32", False), ("float16", False), ("float32", True), ("bfloat16", True)]
+)
+def test_the_engine_speaks_on_cuda(tiny_model_dir, golden_dir, tmp_path, dtype, cuda_graphs):
     model_dir = build_speaking_model_dir(tiny_model_dir, golden_dir, tmp_path / "cv2")
     config = Config(
         engine=EngineConfig(
@@ -45,6 +72,7 @@ def test_the_engine_speaks_on_cuda(tiny_model_dir, golden_dir, tmp_path, dtype):
             model_dir=str(model_dir),
             device="cuda",
             dtype=dtype,
+            cuda_graphs=cuda_graphs,
             voices_dir=str(tmp_path),
         )
     )
@@ -54,9 +82,12 @@ def test_the_engine_speaks_on_cuda(tiny_model_dir, golden_dir, tmp_path, dtype):
         log, sink = EventLog(), RecordingSink()
         uid = engine.say(SFT_VOICE, sink, log, "Hello there, this runs on the GPU.")
         log.wait_terminal([uid], timeout_s=120)
+        graphs = engine.backend.graphs
+        replays = graphs.replays if graphs is not None else 0
     finally:
         engine.stop()
     assert [type(e) for e in log.of(uid)] == [FirstAudio, Done]
     pcm = sink.samples(uid)
     assert pcm.size > 0 and np.isfinite(pcm).all() and np.abs(pcm).max() <= 1.0
     assert engine.backend.model.device.type == "cuda"
+    assert (replays > 0) == cuda_graphs

@@ -76,6 +76,7 @@ class EngineConfig:
     max_batch: int = 16
     estimator: str = "torch"
     compile: bool = False
+    cuda_graphs: bool = False
     llm: str = "torch"
     accel_dir: str = ""
 
@@ -115,6 +116,8 @@ class EngineConfig:
             "must be torch, onnx or tensorrt",
         )
         _check(self.llm in ("torch", "vllm"), "engine.llm", "must be torch or vllm")
+        ok_graphs = not self.cuda_graphs or self.device.startswith("cuda")
+        _check(ok_graphs, "engine.cuda_graphs", 'needs engine.device = "cuda" (or cuda:N)')
         if self.model_name in ("cosyvoice2", "cosyvoice3"):
             name = self.model_name
             _check(bool(self.model_dir), "engine.model_dir", f"is required for model {name}")

@@ -82,7 +82,7 @@ def apply_accel(model: CosyVoice2Model, engine: EngineConfig) -> None:
             raise ConfigError("engine.llm: vllm needs a CUDA device")
         raise ConfigError(
             "engine.llm: the vLLM runner (voicertc.backends.cosyvoice2.vllm_runner) is not wired into the "
-            "engine's batched decode yet; use llm = \"torch\""
+            'engine\'s batched decode yet; use llm = "torch"'
         )
     logger.info(
         "engine paths: dtype %s, estimator %s, compile %s, llm %s",

@@ -31,6 +31,7 @@ import torch
 from voicertc.audio.decode import Clip
 from voicertc.backends.cosyvoice2.accel import apply_accel
 from voicertc.backends.cosyvoice2.bistream import BistreamSession
+from voicertc.backends.cosyvoice2.decode_graphs import DecodeGraphs
 from voicertc.backends.cosyvoice2.device_lane import DeviceLane, resolve_device
 from voicertc.backends.cosyvoice2.engine_state import Cv2State, FlowedChunk
 from voicertc.backends.cosyvoice2.flow import FlowStreamState
@@ -49,7 +50,7 @@ from voicertc.engine.schedule import ChunkSchedule
 from voicertc.engine.text_chunks import has_speech
 from voicertc.engine.utterance import Utterance
 from voicertc.engine.work import Decode, Finish, FlowChunk, Frontend, Job, Prefill, Vocode, Work
-from voicertc.errors import InputError
+from voicertc.errors import ConfigError, InputError
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class BackendOptions:
     sampling: SamplingMode = "ras"
     seed: int | None = None  # per-utterance RNGs from seed + crc32(utterance id); None = random
     max_segment_tokens: int | None = None  # cap on speech tokens per LLM call (tests, benchmarks)
+    cuda_graphs: bool = False  # batched decode as CUDA graph replays, one per batch bucket (CUDA only)
+    graph_rows: int = 16  # the largest decode bucket captured (more rows decode eagerly)
 
 
 Cv2Job = Job[Cv2State]
@@ -91,13 +94,24 @@ class CosyVoice2Backend:
         self.options = options or BackendOptions()
         self.book = VoiceBook(model, VoiceStore(voices_dir) if voices_dir else None)
         self.lane = DeviceLane(model.device)
-        self.kv = SlotKV(model.llm.llm.model.model, self.options.kv_slots, self.options.kv_capacity)
+        slots = self.options.kv_slots
+        if self.options.cuda_graphs:  # every bucket's rows + the graphs' scratch row, without growing
+            slots = max(slots, self.options.graph_rows + 1)
+        self.kv = SlotKV(model.llm.llm.model.model, slots, self.options.kv_capacity)
+        self.graphs = self._decode_graphs()
         self._active: dict[str, Utterance[Cv2State]] = {}  # diagnostics only (leak checks); never scheduled
         self.stats = {
             "chunks": 0, "batches": 0, "batched_chunks": 0, "batch_fallbacks": 0,
             "decode_batches": 0, "decode_rows": 0, "vocode_batches": 0,
         }  # fmt: skip
         text_normalize("warm up.", lambda s: [0] * len(s))  # loads the normaliser grammars now, not later
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        if not self.options.cuda_graphs:
+            return None
+        if self.model.device.type != "cuda":
+            raise ConfigError("engine.cuda_graphs: CUDA graphs need a CUDA device (engine.device)")
+        return DecodeGraphs(self.kv, self.model.llm.llm_decoder, self.options.graph_rows)
 
     # ---- voices -------------------------------------------------------------------------------
 
@@ -140,6 +154,8 @@ class CosyVoice2Backend:
             voice_id="warm-up", kind="sft",
         )  # fmt: skip
         with self.lane.compute():
+            if self.graphs is not None:
+                self.graphs.warm()
             slot = self.kv.acquire()
             try:
                 self.model.llm.step(self.model.llm.prefill([0, 1, 2], sampling="greedy", kv=slot))
@@ -218,6 +234,9 @@ class CosyVoice2Backend:
     def close(self) -> None:
         for utt in list(self._active.values()):
             self.release(utt)
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
 
     @staticmethod
     def _state(job: Cv2Job) -> Cv2State:
@@ -318,7 +337,7 @@ class CosyVoice2Backend:
                 assert session is not None
                 sessions.append(session)
             started = time.perf_counter()
-            tokens = decode_batch(self.model.llm, sessions)
+            tokens = decode_batch(self.model.llm, sessions, self.graphs)
             now = time.perf_counter()
             self.stats["decode_batches"] += 1
             self.stats["decode_rows"] += len(active)
@@ -519,6 +538,7 @@ def create_backend(config: Config) -> CosyVoice2Backend:
         grid_tokens=s.grid_tokens or None,
         final_chunk=s.final_chunk,  # type: ignore[arg-type]
     )
-    backend = CosyVoice2Backend(model, schedule, engine.voices_dir or None)
+    options = BackendOptions(cuda_graphs=engine.cuda_graphs, graph_rows=engine.max_batch)
+    backend = CosyVoice2Backend(model, schedule, engine.voices_dir or None, options)
     backend.warm_up()
     return backend

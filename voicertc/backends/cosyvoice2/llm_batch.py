@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,9 @@ from transformers.models.qwen2.modeling_qwen2 import (
 
 from voicertc.backends.cosyvoice2.bistream import BistreamSession
 from voicertc.backends.cosyvoice2.llm import LlmSession, Qwen2LM
+
+if TYPE_CHECKING:
+    from voicertc.backends.cosyvoice2.decode_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +139,15 @@ class SlotKV:
             self.v[i, slot.index, :, :length] = layer.values[0]
         slot.length = length
 
+    @property
+    def generation(self) -> int:
+        """Changes whenever the K/V tensors are reallocated (a captured graph holds their addresses)."""
+        return self.grows
+
+    def ensure_capacity(self, needed: int) -> None:
+        """Room for `needed` positions per row (the pool doubles its capacity when it must)."""
+        self._ensure_capacity(needed)
+
     @torch.inference_mode()
     def forward(self, rows: list[KVSlot], embeds: Tensor) -> Tensor:
         """One forward of `embeds` [B, T, H] (row b on `rows[b]`); each row's length grows by T."""
@@ -144,14 +156,23 @@ class SlotKV:
         if any(r.released or r.pool is not self for r in rows):
             raise ValueError("a released or foreign KV slot")
         n_new = embeds.shape[1]
-        starts = torch.tensor([r.length for r in rows], device=self.device)
-        self._ensure_capacity(int(starts.max()) + n_new)
-        span = int(starts.max()) + n_new  # keys every row may need: [0, span)
-        offsets = torch.arange(n_new, device=self.device)
-        positions = starts[:, None] + offsets[None, :]  # [B, T]
+        lengths = [r.length for r in rows]
+        span = max(lengths) + n_new  # keys every row may need: [0, span)
+        self._ensure_capacity(span)
+        starts = torch.tensor(lengths, device=self.device)
+        positions = starts[:, None] + torch.arange(n_new, device=self.device)[None, :]  # [B, T]
+        index = torch.tensor([r.index for r in rows], device=self.device)
+        hidden = self.run(index, positions, embeds, span)
+        for r in rows:
+            r.length += n_new
+        return hidden
+
+    def run(self, index: Tensor, positions: Tensor, embeds: Tensor, span: int) -> Tensor:
+        """The layers on device tensors only (no host sync, so a CUDA graph can capture it): rows
+        `index` [B] write their keys/values at `positions` [B, T] and attend to keys [0, span) up to their
+        own position. `span` = the capacity gives every call the same shapes. Hidden states [B, T, H]."""
         keys = torch.arange(span, device=self.device)
         mask = keys[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, span]
-        index = torch.tensor([r.index for r in rows], device=self.device)
         bb = self.backbone
         hidden = embeds.to(self.dtype)
         cos, sin = bb.rotary_emb(hidden, positions)
@@ -163,8 +184,6 @@ class SlotKV:
             hidden = residual + self._attention(layer.self_attn, x, cos, sin, i, index, positions, span, mask)
             residual = hidden
             hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
-        for r in rows:
-            r.length += n_new
         return bb.norm(hidden)
 
     def _attention(
@@ -213,12 +232,15 @@ def _prepare(session: LlmSession | BistreamSession) -> Tensor | None:
 
 
 @torch.inference_mode()
-def decode_batch(llm: Qwen2LM, sessions: list[LlmSession | BistreamSession]) -> list[DecodeResult]:
+def decode_batch(
+    llm: Qwen2LM, sessions: list[LlmSession | BistreamSession], graphs: DecodeGraphs | None = None
+) -> list[DecodeResult]:
     """One LLM step for every session (a token, None, or that session's exception).
 
     Rows that feed one position on a `SlotKV` row share one batched forward; anything else (a prompt, a
     bistream text segment, a `DynamicCache` session) is fed alone. Each row samples with its own generator,
-    so the tokens are those each session would draw alone.
+    so the tokens are those each session would draw alone. With `graphs` the batched rows run its
+    static-shape step (a CUDA graph replay per batch bucket).
     """
     results: list[DecodeResult] = [None] * len(sessions)
     fed: list[int] = []
@@ -237,8 +259,11 @@ def decode_batch(llm: Qwen2LM, sessions: list[LlmSession | BistreamSession]) -> 
             results[i] = exc
     if batch:
         rows = [b[1] for b in batch]
-        hidden = rows[0].pool.forward(rows, torch.cat([b[2] for b in batch], dim=0))
-        logits = llm.llm_decoder(hidden[:, -1])
+        embeds = torch.cat([b[2] for b in batch], dim=0)
+        if graphs is not None and rows[0].pool is graphs.pool:
+            logits = graphs.logits(rows, embeds)
+        else:
+            logits = llm.llm_decoder(rows[0].pool.forward(rows, embeds)[:, -1])
         for row, (i, _, _) in enumerate(batch):
             sessions[i].logits = logits[row]
             fed.append(i)

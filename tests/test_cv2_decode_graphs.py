@@ -1,0 +1,114 @@
+"""The static-shape decode step behind `[engine] cuda_graphs` (decode_graphs.DecodeGraphs) on CPU.
+
+On a CPU the padded, whole-capacity step runs eagerly without capture; it must give the logits of
+`SlotKV.forward` (the batched==unbatched reference) for any batch size, pad the rest of its bucket into
+a scratch row no utterance owns, and survive the pool growing under it. The capture/replay itself is
+checked on CUDA (tests/test_gpu.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from voicertc.backends.cosyvoice2.decode_graphs import DecodeGraphs, batch_buckets, bucket_for
+from voicertc.backends.cosyvoice2.llm_batch import SlotKV
+from voicertc.backends.cosyvoice2.loader import load_llm
+
+
+def test_buckets_cover_every_batch_size():
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(16) == (1, 2, 4, 8, 16)
+    assert batch_buckets(20) == (1, 2, 4, 8, 16, 32)
+    buckets = batch_buckets(20)
+    for rows in range(1, 33):
+        bucket = bucket_for(rows, buckets)
+        assert bucket is not None and bucket >= rows and (bucket == 1 or bucket // 2 < rows)
+    assert bucket_for(33, buckets) is None
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return load_llm(tiny_model_dir)
+
+
+def _prefilled(pool: SlotKV, llm, lengths: list[int], seed: int):
+    """Slots filled with `lengths[i]` random positions each (same contents for the same seed)."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = llm.llm.model.model.config.hidden_size
+    slots = []
+    for n in lengths:
+        slot = pool.acquire()
+        slot.feed(torch.randn(1, n, hidden, generator=gen))
+        slots.append(slot)
+    return slots
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_static_step_matches_the_eager_batched_step(llm, rows):
+    backbone, head = llm.llm.model.model, llm.llm_decoder
+    hidden = backbone.config.hidden_size
+    lengths = [7 + 5 * i for i in range(rows)]
+    eager_pool, static_pool = SlotKV(backbone, slots=8, capacity=64), SlotKV(backbone, slots=8, capacity=64)
+    graphs = DecodeGraphs(static_pool, head, max_rows=8)
+    eager_rows = _prefilled(eager_pool, llm, lengths, seed=1)
+    static_rows = _prefilled(static_pool, llm, lengths, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(4):
+        embeds = torch.randn(rows, 1, hidden, generator=gen)
+        expected = head(eager_pool.forward(eager_rows, embeds)[:, -1])
+        got = graphs.logits(static_rows, embeds)
+        assert got.shape == expected.shape
+        assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert [r.length for r in static_rows] == [n + 4 for n in lengths]
+    # the pad rows wrote only into the scratch row: every owned row equals the eager pool's
+    for e, s in zip(eager_rows, static_rows, strict=True):
+        assert_close(static_pool.k[:, s.index, :, : s.length], eager_pool.k[:, e.index, :, : e.length])
+    assert graphs.scratch.index not in {r.index for r in static_rows}
+    assert graphs.captures == 0 and graphs.replays == 4  # CPU: the static step, never a capture
+
+
+def test_the_pool_growing_under_the_steps_keeps_them_exact(llm):
+    backbone, head = llm.llm.model.model, llm.llm_decoder
+    hidden = backbone.config.hidden_size
+    eager_pool, static_pool = SlotKV(backbone, slots=2, capacity=16), SlotKV(backbone, slots=2, capacity=16)
+    graphs = DecodeGraphs(static_pool, head, max_rows=4)
+    eager_rows = _prefilled(eager_pool, llm, [14, 3], seed=3)
+    static_rows = _prefilled(static_pool, llm, [14, 3], seed=3)  # the scratch row made it grow to 4 slots
+    assert static_pool.slots == 4
+    gen = torch.Generator().manual_seed(4)
+    before = static_pool.generation
+    for _ in range(5):  # row 0 passes the capacity of 16: the pool doubles its positions
+        embeds = torch.randn(2, 1, hidden, generator=gen)
+        expected = head(eager_pool.forward(eager_rows, embeds)[:, -1])
+        assert_close(graphs.logits(static_rows, embeds), expected, atol=1e-5, rtol=1e-5)
+    assert static_pool.capacity == 32 and static_pool.generation != before
+
+
+def test_more_rows_than_the_largest_bucket_decode_eagerly(llm):
+    backbone, head = llm.llm.model.model, llm.llm_decoder
+    hidden = backbone.config.hidden_size
+    eager_pool, static_pool = SlotKV(backbone, slots=8, capacity=32), SlotKV(backbone, slots=8, capacity=32)
+    graphs = DecodeGraphs(static_pool, head, max_rows=2)
+    eager_rows = _prefilled(eager_pool, llm, [4, 5, 6], seed=5)
+    static_rows = _prefilled(static_pool, llm, [4, 5, 6], seed=5)
+    embeds = torch.randn(3, 1, hidden, generator=torch.Generator().manual_seed(6))
+    expected = head(eager_pool.forward(eager_rows, embeds)[:, -1])
+    assert_close(graphs.logits(static_rows, embeds), expected, atol=1e-5, rtol=1e-5)
+    assert graphs.replays == 0
+
+
+def test_bad_steps_are_refused(llm):
+    backbone, head = llm.llm.model.model, llm.llm_decoder
+    pool = SlotKV(backbone, slots=4, capacity=16)
+    graphs = DecodeGraphs(pool, head, max_rows=4)
+    slot = pool.acquire()
+    hidden = backbone.config.hidden_size
+    with pytest.raises(ValueError, match=r"\[B, 1, H\]"):
+        graphs.logits([slot], torch.zeros(1, 2, hidden))
+    slot.release()
+    with pytest.raises(ValueError, match="released"):
+        graphs.logits([slot], torch.zeros(1, 1, hidden))
+    with pytest.raises(ValueError, match="CUDA"):
+        DecodeGraphs(pool, head, max_rows=4, capture=True)

@@ -27,7 +27,7 @@ import torch
 from bench.cv2_flow_chunks import timed
 from bench.make_full_model_dir import DEFAULT_OUT, make_full_model_dir
 from bench.report import summary, table, write_json
-from voicertc.backends.cosyvoice2.engine_backend import BackendOptions, CosyVoice2Backend
+from voicertc.backends.cosyvoice2.engine_backend import DTYPES, BackendOptions, CosyVoice2Backend
 from voicertc.backends.cosyvoice2.flow import CausalFlow
 from voicertc.backends.cosyvoice2.loader import CosyVoice2Model, load
 from voicertc.engine import ChunkSchedule
@@ -115,7 +115,12 @@ def _utterance(uid: str, voice_id: str) -> Utterance:
 
 
 def ttfa_rows(
-    model: CosyVoice2Model, runs: int, device: str, prompt_tokens: int, schedule: ChunkSchedule
+    model: CosyVoice2Model,
+    runs: int,
+    device: str,
+    prompt_tokens: int,
+    schedule: ChunkSchedule,
+    cuda_graphs: bool = False,
 ) -> tuple[list[dict[str, object]], float]:
     gen = torch.Generator().manual_seed(11)
     started = time.perf_counter()
@@ -127,7 +132,7 @@ def ttfa_rows(
         voice_id="bench",
     )
     voice_prep_s = time.perf_counter() - started
-    backend = CosyVoice2Backend(model, schedule, options=BackendOptions(seed=5))
+    backend = CosyVoice2Backend(model, schedule, options=BackendOptions(seed=5, cuda_graphs=cuda_graphs))
     backend.add_voice(voice, persist=False)
     rows = []
     for run in range(runs):
@@ -161,6 +166,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=17, help="flow prompt for (a); 75 = 3 s")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--cuda-graphs", action="store_true", help="(b) with [engine] cuda_graphs (CUDA)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ttfa-prompt-tokens", type=int, default=75, help="voice prompt for (b)")
     parser.add_argument("--first-hop", type=int, default=25, help="schedule.first_hop_tokens for (b)")
@@ -168,7 +175,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     make_full_model_dir(DEFAULT_OUT) if args.model_dir == str(DEFAULT_OUT) else None
-    model = load(args.model_dir, args.device)
+    model = load(args.model_dir, args.device, DTYPES[args.dtype])
 
     flow_rows: list[dict[str, object]] = []
     flat = floor = float("nan")
@@ -180,7 +187,9 @@ def main() -> None:
               f"estimator GFLOP ratio (exact attention's floor) = {floor:.2f}")  # fmt: skip
 
     schedule = ChunkSchedule(first_hop_tokens=args.first_hop, grid_tokens=args.grid or None)
-    rows, voice_prep_s = ttfa_rows(model, args.runs, args.device, args.ttfa_prompt_tokens, schedule)
+    rows, voice_prep_s = ttfa_rows(
+        model, args.runs, args.device, args.ttfa_prompt_tokens, schedule, args.cuda_graphs
+    )
     print(table(rows, list(rows[0])))
     print(f"voice preparation (flow prompt state + LLM prefix, once per voice): {1e3 * voice_prep_s:.0f} ms")
     ttfa = summary([float(r["ttfa_ms"]) for r in rows])  # type: ignore[arg-type]

@@ -21,9 +21,10 @@ def test_doctor_reports_every_check_on_the_tiny_model(tiny_model_dir):
         "[PASS] vllm export (transformers logits): max |logit err|",
         "[PASS] onnx flow estimator (onnxruntime, streamed): max |mel err|",
         "[PASS] onnx HiFT decoder (onnxruntime, streamed)",
-        "[PASS] path eager fp32: greedy agreement 1.000",
-        "[PASS] path onnx",
-        "path bf16",
+        "[PASS] path eager fp32 (cpu): greedy agreement 1.000",
+        "[PASS] path onnx (cpu)",
+        "path bf16 (cpu)",
+        "[SKIP] cuda graphs: no CUDA device",
         "[SKIP] tensorrt estimator: no CUDA device",
         "[SKIP] gpu pytest suite: no CUDA device",
     ):

@@ -1,8 +1,10 @@
 """Speed and deviation of each accelerated path against eager fp32 (`voicertc doctor`, bench.accel_cpu).
 
 Paths: "eager fp32" (the exact default), "bf16" (LLM and flow in bfloat16), "compile" (torch.compile of
-the compute leaves, `accel.compile_hot_modules`), "onnx" (the streaming estimator on ONNX Runtime). Each
-is measured on the same inputs in the same process:
+the compute leaves, `accel.compile_hot_modules`), "onnx" (the streaming estimator on ONNX Runtime); on
+CUDA also "fp16" and "cuda graphs" / "cuda graphs bf16" (the LLM decode step replayed from a captured
+graph, `decode_graphs`; its flow numbers repeat the eager flow of that dtype). Each is measured on the
+same inputs in the same process, on one device (`device`; CUDA steps are timed after a synchronize):
 - LLM: ms per decoded token (greedy, after the prefill), and greedy agreement: the fp32 greedy sequence
   is fed to the path token by token (teacher forcing) and the path's argmax is compared at every step;
 - flow: ms per streamed chunk (hops 25+pad, 50, 100, ...) and the max |mel - mel_fp32| over the utterance.
@@ -20,12 +22,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from voicertc.backends.cosyvoice2.decode_graphs import DecodeGraphs
 from voicertc.backends.cosyvoice2.flow import CausalFlow
 from voicertc.backends.cosyvoice2.llm import Qwen2LM
+from voicertc.backends.cosyvoice2.llm_batch import SlotKV
 
 logger = logging.getLogger(__name__)
 
 PATHS = ("eager fp32", "bf16", "compile", "onnx")
+CUDA_PATHS = ("eager fp32", "bf16", "fp16", "cuda graphs", "cuda graphs bf16", "compile")
 LOOKAHEAD = 3
 
 
@@ -73,20 +78,39 @@ def greedy_reference(llm: Qwen2LM, tokens: int) -> list[int]:
     return out
 
 
-def llm_decode(llm: Qwen2LM, reference: list[int]) -> tuple[list[float], float]:
-    """Teacher-forced decode of `reference`: (ms per token of each step, argmax agreement)."""
-    session = llm.prefill(llm_text(llm), sampling="greedy")
-    session.max_len = len(reference) + 1
-    times, agree = [], 0
-    for token in reference:
-        started = time.perf_counter()
-        llm.step(session, force=token)
-        times.append(1000 * (time.perf_counter() - started))
-        assert session.logits is not None
-        logits = session.logits.float().clone()
-        if len(session.out_tokens) - 1 < session.min_len:
-            logits[6561] = -float("inf")
-        agree += int(int(logits.argmax()) == token)
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def llm_decode(
+    llm: Qwen2LM, reference: list[int], graphs: DecodeGraphs | None = None
+) -> tuple[list[float], float]:
+    """Teacher-forced decode of `reference`: (ms per token of each step, argmax agreement).
+
+    With `graphs` the session decodes on a row of their pool and every one-position step is a replay."""
+    device = llm.llm_decoder.weight.device
+    slot = graphs.pool.acquire() if graphs is not None else None
+    try:
+        session = llm.prefill(llm_text(llm), sampling="greedy", kv=slot)
+        session.max_len = len(reference) + 1
+        times, agree = [], 0
+        for token in reference:
+            started = time.perf_counter()
+            if graphs is not None and slot is not None and session.pending is not None:
+                if session.pending.shape[1] == 1:
+                    session.logits, session.pending = graphs.logits([slot], session.pending)[0], None
+            llm.step(session, force=token)
+            _sync(device)
+            times.append(1000 * (time.perf_counter() - started))
+            assert session.logits is not None
+            logits = session.logits.float().clone()
+            if len(session.out_tokens) - 1 < session.min_len:
+                logits[6561] = -float("inf")
+            agree += int(int(logits.argmax()) == token)
+    finally:
+        if slot is not None:
+            slot.release()
     return times[1:], agree / max(1, len(reference))  # the first step includes the prefill
 
 
@@ -105,12 +129,15 @@ def flow_inputs(flow: CausalFlow, speech_tokens: int = 250, prompt_tokens: int =
 
 
 def flow_stream(flow: CausalFlow, inputs: dict[str, Tensor]) -> tuple[Tensor, list[float]]:
-    """Stream the utterance chunk by chunk: (mel [1, 80, frames] fp32, ms per chunk)."""
-    dtype = next(flow.parameters()).dtype
+    """Stream the utterance chunk by chunk: (mel [1, 80, frames] fp32 on the CPU, ms per chunk)."""
+    weight = next(flow.parameters())
+    dtype, device = weight.dtype, weight.device
     state = flow.init_stream(
-        inputs["prompt_tokens"], inputs["prompt_feat"].to(dtype), inputs["embedding"].to(dtype)
+        inputs["prompt_tokens"].to(device),
+        inputs["prompt_feat"].to(device, dtype),
+        inputs["embedding"].to(device, dtype),
     )
-    tokens = inputs["tokens"]
+    tokens = inputs["tokens"].to(device)
     grid = flow.cfg.chunk_tokens
     pad = -inputs["prompt_tokens"].shape[1] % grid
     hops = [grid + pad, 2 * grid] + [4 * grid] * 100
@@ -120,12 +147,14 @@ def flow_stream(flow: CausalFlow, inputs: dict[str, Tensor]) -> tuple[Tensor, li
             break
         started = time.perf_counter()
         mels.append(flow.stream_step(tokens[:, offset : offset + hop + LOOKAHEAD], state, finalize=False))
+        _sync(device)
         times.append(1000 * (time.perf_counter() - started))
         offset += hop
     started = time.perf_counter()
     mels.append(flow.stream_step(tokens[:, offset:], state, finalize=True))
+    _sync(device)
     times.append(1000 * (time.perf_counter() - started))
-    return torch.cat(mels, dim=2).float(), times
+    return torch.cat(mels, dim=2).float().cpu(), times
 
 
 # ---- the paths ----------------------------------------------------------------------------------------
@@ -145,13 +174,14 @@ def measure_paths(
     work: Workload | None = None,
     progress: Callable[[str], None] = logger.info,
     on_result: Callable[[PathResult], None] | None = None,
+    device: str = "cpu",
 ) -> list[PathResult]:
     """Measure every path of `paths` on `model_dir` (export the ONNX estimator into `onnx_dir` if needed)."""
     from voicertc.backends.cosyvoice2.loader import load_llm
 
     work = work or Workload()
-    llm32 = load_llm(model_dir)
-    flow32 = CausalFlow.from_model_dir(model_dir).eval()
+    llm32 = load_llm(model_dir, device)
+    flow32 = CausalFlow.from_model_dir(model_dir).to(device).eval()
     reference = greedy_reference(llm32, work.llm_tokens)
     inputs = flow_inputs(flow32, work.speech_tokens)
     mel32, _ = flow_stream(flow32, inputs)
@@ -160,11 +190,11 @@ def measure_paths(
         progress(f"measuring {path}")
         result = PathResult(path)
         try:
-            llm, flow = _variant(path, model_dir, onnx_dir, llm32, flow32)
+            variant = _variant(path, model_dir, onnx_dir, llm32, flow32)
             for _ in range(work.runs):
-                times, agreement = llm_decode(llm, reference)
+                times, agreement = llm_decode(variant.llm, reference, variant.graphs)
                 result.llm_token_ms += times
-                mel, chunk_times = flow_stream(flow, inputs)
+                mel, chunk_times = flow_stream(variant.flow, inputs)
                 result.flow_chunk_ms += chunk_times
             result.token_agreement, result.tokens_compared = agreement, len(reference)
             result.max_mel_error = float((mel - mel32).abs().max())
@@ -179,29 +209,49 @@ def measure_paths(
     return results
 
 
+@dataclass
+class Variant:
+    llm: Qwen2LM
+    flow: CausalFlow
+    graphs: DecodeGraphs | None = None
+
+
 def _variant(
     path: str, model_dir: str | Path, onnx_dir: str | Path | None, llm32: Qwen2LM, flow32: CausalFlow
-) -> tuple[Qwen2LM, CausalFlow]:
+) -> Variant:
     from voicertc.backends.cosyvoice2.loader import load_llm
 
+    device = llm32.llm_decoder.weight.device
     if path == "eager fp32":
-        return llm32, flow32
-    if path == "bf16":
-        flow = CausalFlow.from_model_dir(model_dir).to(torch.bfloat16).eval()
-        return load_llm(model_dir, dtype=torch.bfloat16), flow
+        return Variant(llm32, flow32)
+    if path in ("bf16", "fp16"):
+        dtype = torch.bfloat16 if path == "bf16" else torch.float16
+        flow = CausalFlow.from_model_dir(model_dir).to(device, dtype).eval()
+        return Variant(load_llm(model_dir, device, dtype=dtype), flow)
+    if path in ("cuda graphs", "cuda graphs bf16"):
+        if device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        llm, flow = llm32, flow32
+        if path.endswith("bf16"):
+            llm = load_llm(model_dir, device, dtype=torch.bfloat16)
+            flow = CausalFlow.from_model_dir(model_dir).to(device, torch.bfloat16).eval()
+        pool = SlotKV(llm.llm.model.model, slots=2, capacity=512)
+        return Variant(llm, flow, DecodeGraphs(pool, llm.llm_decoder, max_rows=1))
     if path == "compile":
         from voicertc.backends.cosyvoice2.flow_estimator import FeedForward
 
-        llm, flow = load_llm(model_dir), CausalFlow.from_model_dir(model_dir).eval()
+        llm, flow = load_llm(model_dir, device), CausalFlow.from_model_dir(model_dir).to(device).eval()
         leaves = [layer.mlp for layer in llm.llm.model.model.layers]
         leaves += [m for m in flow.decoder.estimator.modules() if isinstance(m, FeedForward)]
         for module in leaves:
             module.compile(dynamic=True)
-        return llm, flow
+        return Variant(llm, flow)
     if path == "onnx":
         from voicertc.backends.cosyvoice2.estimator_graph import GraphLayout, OnnxRuntimeEstimator
         from voicertc.export.onnx_export import ESTIMATOR_FILE, export_onnx
 
+        if device.type != "cpu":
+            raise ValueError("the onnx path runs ONNX Runtime's CPU provider (tensorrt is the CUDA path)")
         if onnx_dir is None:
             raise ValueError("the onnx path needs a directory for the exported graph")
         onnx_path = Path(onnx_dir) / ESTIMATOR_FILE
@@ -210,5 +260,5 @@ def _variant(
         threads = torch.get_num_threads()
         runner = OnnxRuntimeEstimator(onnx_path, GraphLayout.of(flow32.decoder.estimator), threads=threads)
         flow32.decoder.estimator_runner = runner
-        return llm32, flow32  # the LLM has no ONNX path: its numbers repeat eager fp32
+        return Variant(llm32, flow32)  # the LLM has no ONNX path: its numbers repeat eager fp32
     raise ValueError(f"unknown path {path!r}")

@@ -93,6 +93,8 @@ class DecodeGraphs:
             logger.info("LLM slot cache reallocated: decode graphs are captured again")
             self._steps.clear()
             self._generation = self.pool.generation
+            if self.capture:  # the old graphs' private memory pool dies with them: a new one
+                self._mempool = torch.cuda.graph_pool_handle()
         step = self._step(bucket)
         pad = bucket - len(rows)
         index = [r.index for r in rows] + [self.scratch.index] * pad

@@ -205,6 +205,15 @@ def load_llm(
     return build_llm(llm_cfg, _load_weights(model_dir / "llm.pt"), str(model_dir / "llm.pt"), device, dtype)
 
 
+def exact_fp32_on_cuda() -> None:
+    """float32 on CUDA means float32: cuDNN's convolutions (and matmuls) default to TF32 on Ampere and
+    later, which moves the flow's mel by ~1e-3. Process-wide (torch has no per-module switch)."""
+    if torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32:
+        logger.info("float32 on CUDA: TF32 convolutions and matmuls turned off (exact float32)")
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
 def load(
     model_dir: str | Path,
     device: str | torch.device = "cpu",
@@ -218,6 +227,8 @@ def load(
     (`frontend_checks.check_frontend`); tests of the networks alone pass False."""
     model_dir = Path(model_dir)
     device = torch.device(device)
+    if device.type == "cuda" and dtype == torch.float32:
+        exact_fp32_on_cuda()
     yaml_path = _check_directory(model_dir)
     blanken = model_dir / BLANKEN_DIR
     config = load_yaml(yaml_path, overrides={"qwen_pretrain_path": str(blanken)})

@@ -41,3 +41,16 @@ def test_gpu_only_paths_are_refused_on_cpu(speaking_dir):
         create_backend(_config(speaking_dir, estimator="tensorrt", voices_dir=""))
     with pytest.raises(ConfigError, match="engine.llm"):
         create_backend(_config(speaking_dir, llm="vllm", voices_dir=""))
+    with pytest.raises(ConfigError, match="engine.cuda_graphs"):
+        create_backend(_config(speaking_dir, cuda_graphs=True, voices_dir=""))
+
+
+def test_llm_thread_builds_a_started_streamer_and_stops_it(speaking_dir):
+    from voicertc.backends.cosyvoice2.llm_stream import ThreadedSpeechLlm
+
+    backend = create_backend(_config(speaking_dir, llm="thread", voices_dir=""))
+    streamer = backend.streamer
+    assert isinstance(streamer, ThreadedSpeechLlm)
+    assert streamer._thread is not None and streamer._thread.is_alive()
+    backend.close()
+    assert not streamer._thread.is_alive()

@@ -115,7 +115,7 @@ class EngineConfig:
             "engine.estimator",
             "must be torch, onnx or tensorrt",
         )
-        _check(self.llm in ("torch", "vllm"), "engine.llm", "must be torch or vllm")
+        _check(self.llm in ("torch", "thread", "vllm"), "engine.llm", "must be torch, thread or vllm")
         ok_graphs = not self.cuda_graphs or self.device.startswith("cuda")
         _check(ok_graphs, "engine.cuda_graphs", 'needs engine.device = "cuda" (or cuda:N)')
         if self.model_name in ("cosyvoice2", "cosyvoice3"):

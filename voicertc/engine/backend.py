@@ -86,6 +86,10 @@ class BatchBackend(Protocol[S]):
 
     def wake_at(self, utt: Utterance[S]) -> float | None: ...
 
+    # Optional: `bind_wake(wake)` — the worker passes its thread-safe `wake()` once the backend is
+    # built; a backend whose work arrives from another thread (a token streamer) calls it so that the
+    # worker, blocked on its queue, plans again. No backend polls.
+
     def release(self, utt: Utterance[S]) -> None:
         """Free everything held for `utt` (exactly once, also on cancel and failure)."""
         ...

@@ -320,6 +320,9 @@ class EngineWorker:
             if self._backend_factory is not None:
                 self.backend = self._backend_factory()
                 self._batch_backend = as_batch_backend(self.backend)
+            bind_wake = getattr(self.backend, "bind_wake", None)
+            if callable(bind_wake):  # a backend fed from another thread (a token streamer) wakes us
+                bind_wake(self.wake)
             return True
         except BaseException as exc:  # noqa: BLE001 - re-raised by start() on the caller's thread
             logger.error("engine %s: backend failed to load: %s", self.name, exc)

@@ -5,8 +5,8 @@ fp32 eager is the exact default and nothing here runs for it. Each option swaps 
   first use; "tensorrt": the same graph as a TensorRT engine (CUDA only, never run yet);
 - compile: `torch.compile` of the compute leaves of the LLM layers and the flow estimator
   (module.compile(): state-dict keys unchanged; dynamic shapes; see `compile_hot_modules`);
-- llm "vllm": refused for now: the runner (`vllm_runner`: exported model, prompt embeddings, RAS logits
-  processor, token streaming) exists but is not yet wired into the engine's batched decode, and never ran.
+- llm "vllm" / "thread": not here: `engine_backend.llm_streamer` builds the token streamer
+  (`llm_stream`); vLLM's model is exported into `accel_dir/vllm` on first use (`vllm_export_dir`).
 """
 
 from __future__ import annotations
@@ -24,12 +24,23 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ESTIMATORS = ("torch", "onnx", "tensorrt")
-LLMS = ("torch", "vllm")
+LLMS = ("torch", "thread", "vllm")
 
 
 def accel_dir(engine: EngineConfig) -> Path:
     """Where exported artefacts live: `[engine] accel_dir`, or `<model_dir>/accel`."""
     return Path(engine.accel_dir) if engine.accel_dir else Path(engine.model_dir) / "accel"
+
+
+def vllm_export_dir(engine: EngineConfig) -> Path:
+    """The vLLM-format LLM (`voicertc export vllm`), exported now if it is not there yet."""
+    from voicertc.export.vllm_export import export_vllm
+
+    out = accel_dir(engine) / "vllm"
+    if not (out / "config.json").is_file():
+        logger.info("exporting the LLM for vLLM to %s (first use)", out)
+        export_vllm(engine.model_dir, out, dtype=engine.dtype)
+    return out
 
 
 def estimator_onnx(engine: EngineConfig) -> Path:

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from voicertc.audio.decode import Clip
-from voicertc.backends.cosyvoice2.accel import apply_accel
+from voicertc.backends.cosyvoice2.accel import apply_accel, vllm_export_dir
 from voicertc.backends.cosyvoice2.bistream import BistreamSession
 from voicertc.backends.cosyvoice2.decode_graphs import DecodeGraphs
 from voicertc.backends.cosyvoice2.device_lane import DeviceLane, resolve_device
@@ -37,14 +37,16 @@ from voicertc.backends.cosyvoice2.engine_state import Cv2State, FlowedChunk
 from voicertc.backends.cosyvoice2.flow import FlowStreamState
 from voicertc.backends.cosyvoice2.hift_batch import vocode_batch
 from voicertc.backends.cosyvoice2.hift_stream import HiftStreamState
+from voicertc.backends.cosyvoice2.llm import MAX_TOKEN_TEXT_RATIO, MIN_TOKEN_TEXT_RATIO, LlmSession
 from voicertc.backends.cosyvoice2.llm_batch import KVSlot, SlotKV, decode_batch
+from voicertc.backends.cosyvoice2.llm_stream import SpeechTokenStreamer, StreamedSession, ThreadedSpeechLlm
 from voicertc.backends.cosyvoice2.loader import CosyVoice2Model, load
 from voicertc.backends.cosyvoice2.modes import llm_prompt
 from voicertc.backends.cosyvoice2.sampling import SamplingMode
 from voicertc.backends.cosyvoice2.text import text_normalize
 from voicertc.backends.cosyvoice2.token2wav import Chunk, Token2WavStream
 from voicertc.backends.cosyvoice2.voices import Voice, VoiceBook, VoiceStore, voice_from_features
-from voicertc.config import Config
+from voicertc.config import Config, EngineConfig
 from voicertc.engine.backend import Backend, StepResult, SynthStep
 from voicertc.engine.schedule import ChunkSchedule
 from voicertc.engine.text_chunks import has_speech
@@ -88,8 +90,11 @@ class CosyVoice2Backend:
         schedule: ChunkSchedule | None = None,
         voices_dir: str | Path | None = None,
         options: BackendOptions | None = None,
+        streamer: SpeechTokenStreamer | None = None,
     ) -> None:
         self.model = model
+        self.streamer = streamer  # whole-text segments decode there (`[engine] llm`), None = here
+        self._wake: Callable[[], None] = lambda: None
         self.schedule = schedule or ChunkSchedule()
         self.options = options or BackendOptions()
         self.book = VoiceBook(model, VoiceStore(voices_dir) if voices_dir else None)
@@ -105,6 +110,10 @@ class CosyVoice2Backend:
             "decode_batches": 0, "decode_rows": 0, "vocode_batches": 0,
         }  # fmt: skip
         text_normalize("warm up.", lambda s: [0] * len(s))  # loads the normaliser grammars now, not later
+
+    def bind_wake(self, wake: Callable[[], None]) -> None:
+        """The worker's wake-up (any thread): a streamed token makes an utterance runnable."""
+        self._wake = wake
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         if not self.options.cuda_graphs:
@@ -184,6 +193,7 @@ class CosyVoice2Backend:
             prompt=prompt,
             speed=float(getattr(options, "speed", 1.0)),
             llm_generator=torch.Generator(self.model.device).manual_seed(seed),
+            llm_seed=seed,
             hift_generator=torch.Generator().manual_seed(seed + 1),
         )
 
@@ -237,6 +247,8 @@ class CosyVoice2Backend:
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
+        if self.streamer is not None:
+            self.streamer.stop()
 
     @staticmethod
     def _state(job: Cv2Job) -> Cv2State:
@@ -253,7 +265,7 @@ class CosyVoice2Backend:
             if isinstance(work, Frontend):
                 self._frontend(job.utt, st)
             elif isinstance(work, Prefill):
-                text = self._start_segment(st)
+                text = self._start_segment(job.utt.utterance_id, st)
                 return SynthStep(sample_rate_hz=SAMPLE_RATE_HZ, text=text)  # marks where its audio starts
             elif isinstance(work, Finish):
                 st.release()
@@ -304,54 +316,98 @@ class CosyVoice2Backend:
             st.voice, self.schedule, generator=st.hift_generator, pcm_to_host=self.lane.to_host, **speed
         )
 
-    def _start_segment(self, st: Cv2State) -> str:
-        """Prefill the next segment's LLM; returns its text (what its audio will say)."""
+    def _start_segment(self, utterance_id: str, st: Cv2State) -> str:
+        """Prefill the next segment's LLM (or hand it to the streamer); returns its text (what its audio
+        will say)."""
         assert st.segments
         st.end_llm()
         if st.t2w is not None:
             st.t2w.release()
         voice = st.voice
-        st.llm = self.model.llm.prefill(
-            st.segments.popleft(), st.prompt.text_ids, st.prompt.speech_ids,
-            sampling=self.options.sampling, generator=st.llm_generator,
-            prefix=voice.prefix if st.prompt.text_ids == voice.prefix.prompt_text_tokens else None,
-            kv=self.kv.acquire(),
-        )  # fmt: skip
-        if self.options.max_segment_tokens is not None:
-            st.llm.max_len = min(st.llm.max_len, self.options.max_segment_tokens)
+        text_ids = st.segments.popleft()
+        st.segments_started += 1
+        if self.streamer is not None:
+            st.llm = self._stream_segment(f"{utterance_id}/{st.segments_started}", st, text_ids)
+        else:
+            st.llm = self.model.llm.prefill(
+                text_ids, st.prompt.text_ids, st.prompt.speech_ids,
+                sampling=self.options.sampling, generator=st.llm_generator,
+                prefix=voice.prefix if st.prompt.text_ids == voice.prefix.prompt_text_tokens else None,
+                kv=self.kv.acquire(),
+            )  # fmt: skip
+            if self.options.max_segment_tokens is not None:
+                st.llm.max_len = min(st.llm.max_len, self.options.max_segment_tokens)
         st.llm_steps = 0
         st.t2w = self._open_t2w(st)
         return st.segment_texts.popleft() if st.segment_texts else ""
 
+    def _stream_segment(self, request_id: str, st: Cv2State, text_ids: list[int]) -> StreamedSession:
+        """Submit one segment to the streamer: its prompt embeddings and the length rules of `prefill`."""
+        assert self.streamer is not None
+        n_text = len(text_ids)
+        max_len = int(n_text * MAX_TOKEN_TEXT_RATIO)
+        if self.options.max_segment_tokens is not None:
+            max_len = min(max_len, self.options.max_segment_tokens)
+        embeds = self.model.llm.lm_input(text_ids, st.prompt.text_ids, st.prompt.speech_ids)[0]
+        session = StreamedSession(
+            request_id, self.streamer, int(n_text * MIN_TOKEN_TEXT_RATIO), max_len, wake=self._wake
+        )
+        seed = st.llm_seed + st.segments_started - 1
+        self.streamer.submit(request_id, embeds, session.min_len, max_len, session.push, seed=seed)
+        return session
+
     # ---- LLM decode, batched across utterances ------------------------------------------------
 
     def _run_decode(self, batch: Sequence[Cv2Job]) -> list[StepResult]:
-        """Up to `decode_burst` batched LLM steps; a row leaves when its chunk is ready or it must wait."""
+        """Up to `decode_burst` batched LLM steps; a row leaves when its chunk is ready or it must wait.
+        Streamed rows take what their streamer sent (no model work) and leave when it is used up."""
         errors: dict[int, BaseException] = {}
         active = list(range(len(batch)))
         for _ in range(self.options.decode_burst):
-            sessions = []
-            for i in list(active):
+            local: list[int] = []
+            still: list[int] = []
+            for i in active:
                 st = self._state(batch[i])
-                session = st.llm if st.llm is not None else st.bistream
-                assert session is not None
-                sessions.append(session)
-            started = time.perf_counter()
-            tokens = decode_batch(self.model.llm, sessions, self.graphs)
-            now = time.perf_counter()
-            self.stats["decode_batches"] += 1
-            self.stats["decode_rows"] += len(active)
-            share = (now - started) / len(active)
-            still = []
-            for i, token in zip(active, tokens, strict=True):
-                if isinstance(token, BaseException):
-                    errors[i] = token
-                elif self._took_token(batch[i].utt, self._state(batch[i]), token, share, now):
-                    still.append(i)
-            active = still
+                if isinstance(st.llm, StreamedSession):
+                    try:
+                        took, token = st.llm.take()
+                    except Exception as exc:  # noqa: BLE001 - the streamer failed this utterance only
+                        errors[i] = exc
+                        continue
+                    if took and self._took_token(batch[i].utt, st, token, 0.0, time.perf_counter()):
+                        still.append(i)
+                else:
+                    local.append(i)
+            if local:
+                still += self._decode_local(batch, local, errors)
+            active = sorted(still)
             if not active:
                 break
         return [errors.get(i, SynthStep(sample_rate_hz=SAMPLE_RATE_HZ)) for i in range(len(batch))]
+
+    def _decode_local(
+        self, batch: Sequence[Cv2Job], rows: list[int], errors: dict[int, BaseException]
+    ) -> list[int]:
+        """One batched step of the rows decoding on this thread; the rows that may go on."""
+        sessions: list[LlmSession | BistreamSession] = []
+        for i in rows:
+            st = self._state(batch[i])
+            session = st.llm if st.llm is not None else st.bistream
+            assert session is not None and not isinstance(session, StreamedSession)
+            sessions.append(session)
+        started = time.perf_counter()
+        tokens = decode_batch(self.model.llm, sessions, self.graphs)
+        now = time.perf_counter()
+        self.stats["decode_batches"] += 1
+        self.stats["decode_rows"] += len(rows)
+        share = (now - started) / len(rows)
+        still = []
+        for i, token in zip(rows, tokens, strict=True):
+            if isinstance(token, BaseException):
+                errors[i] = token
+            elif self._took_token(batch[i].utt, self._state(batch[i]), token, share, now):
+                still.append(i)
+        return still
 
     def _took_token(
         self, utt: Utterance[Cv2State], st: Cv2State, token: int | None, share_s: float, now: float
@@ -370,8 +426,8 @@ class CosyVoice2Backend:
             st.t2w.add_tokens([token])
         session = st.llm if st.llm is not None else st.bistream
         llm_over = session is not None and session.finished
-        if llm_over and isinstance(session.cache, KVSlot):  # type: ignore[union-attr]
-            session.cache.release()  # type: ignore[union-attr]  # the slot is free for another utterance now
+        if llm_over and session is not None and isinstance(session.cache, KVSlot):
+            session.cache.release()  # the slot is free for another utterance now
         if st.t2w.ready():
             self._note_first_hop(utt, st)
             return False
@@ -520,6 +576,19 @@ def register_voice_command(
     return register
 
 
+def llm_streamer(model: CosyVoice2Model, engine: EngineConfig) -> SpeechTokenStreamer | None:
+    """`[engine] llm`: None (torch, on the engine thread), our LLM on its own thread, or vLLM (CUDA)."""
+    if engine.llm == "thread":
+        return ThreadedSpeechLlm(model.llm)
+    if engine.llm == "vllm":
+        if model.device.type != "cuda":
+            raise ConfigError("engine.llm: vllm needs a CUDA device (engine.device)")
+        from voicertc.backends.cosyvoice2.vllm_runner import VllmSpeechLlm
+
+        return VllmSpeechLlm(str(vllm_export_dir(engine)), dtype=engine.dtype)
+    return None
+
+
 def create_backend(config: Config) -> CosyVoice2Backend:
     """Load `config.engine.model_dir` on the configured device and wrap it as the engine backend."""
     engine = config.engine
@@ -539,6 +608,9 @@ def create_backend(config: Config) -> CosyVoice2Backend:
         final_chunk=s.final_chunk,  # type: ignore[arg-type]
     )
     options = BackendOptions(cuda_graphs=engine.cuda_graphs, graph_rows=engine.max_batch)
-    backend = CosyVoice2Backend(model, schedule, engine.voices_dir or None, options)
+    streamer = llm_streamer(model, engine)
+    backend = CosyVoice2Backend(model, schedule, engine.voices_dir or None, options, streamer)
+    if streamer is not None:
+        streamer.start()
     backend.warm_up()
     return backend

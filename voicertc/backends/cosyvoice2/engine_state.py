@@ -26,6 +26,7 @@ from torch import Tensor
 from voicertc.backends.cosyvoice2.bistream import BistreamSession
 from voicertc.backends.cosyvoice2.llm import LlmSession
 from voicertc.backends.cosyvoice2.llm_batch import KVSlot
+from voicertc.backends.cosyvoice2.llm_stream import StreamedSession
 from voicertc.backends.cosyvoice2.modes import LlmPrompt
 from voicertc.backends.cosyvoice2.text import SentenceStream
 from voicertc.backends.cosyvoice2.token2wav import ChunkPlan, Token2WavStream
@@ -63,7 +64,9 @@ class Cv2State:
     segment_texts: deque[str] | None = None  # whole text: each segment's (normalised) text, for heard_text
     splitter: SentenceStream = field(default_factory=SentenceStream)
     text_ended: bool = False  # deltas: the bistream session has been told
-    llm: LlmSession | None = None
+    llm: LlmSession | StreamedSession | None = None  # StreamedSession: `[engine] llm` decodes elsewhere
+    llm_seed: int = 0  # a streamed segment's sampling seed (llm_seed + segment number)
+    segments_started: int = 0
     bistream: BistreamSession | None = None
     t2w: Token2WavStream | None = None
     flowed: FlowedChunk | None = None
@@ -86,7 +89,9 @@ class Cv2State:
     def end_llm(self) -> None:
         """Give the LLM session's KV slot back (the session is over)."""
         for session in (self.llm, self.bistream):
-            if session is not None and isinstance(session.cache, KVSlot):
+            if isinstance(session, StreamedSession):
+                session.close()
+            elif session is not None and isinstance(session.cache, KVSlot):
                 session.cache.release()
         self.llm = None
         self.bistream = None
@@ -110,7 +115,7 @@ class Cv2State:
     # ---- what next (pure) ---------------------------------------------------------------------
 
     def plan(self, utt: Utterance[Cv2State]) -> Work | None:
-        """The unit that makes progress now, or None when only new text can help."""
+        """The unit that makes progress now, or None when only new text (or a streamed token) can help."""
         if self.done:
             return None
         if self.flowed is not None:
@@ -148,6 +153,8 @@ class Cv2State:
         if self.segments is None:
             return Frontend()
         if self.llm is not None and not self.llm.finished:
+            if isinstance(self.llm, StreamedSession) and not self.llm.ready():
+                return None  # the streamer's next token wakes the worker
             return self._decode()
         if self.llm is None and self.t2w is None:
             return Prefill() if self.segments else Finish()

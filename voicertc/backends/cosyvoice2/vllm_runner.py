@@ -1,7 +1,9 @@
 """`[engine] llm = "vllm"`: the speech LLM served by vLLM, tokens streamed to the engine worker.
 
-NEVER RUN ON A GPU YET (no GPU in the sessions that wrote it); its CPU-proven parts are the exported
-model (`voicertc export vllm`, transformers parity test) and RAS as a distribution (`ras_logits`).
+NEVER RUN YET: vLLM has no CPU wheel, and the one GPU machine lent to this project had no vLLM (no
+registry there). Its CPU-proven parts: the exported model (`voicertc export vllm`, transformers parity
+test), RAS as a distribution (`ras_logits`), and the engine seam it plugs into (`llm_stream`: the same
+streamer protocol as `llm = "thread"`, whose engine tests run everywhere).
 
 - The model directory is exported once (`voicertc export vllm MODEL_DIR OUT`); the runner loads OUT with
   `skip_tokenizer_init` and `enable_prompt_embeds` (the architecture is registered by our plugin entry
@@ -31,7 +33,7 @@ from voicertc.export.ras_logits import ras_logits
 logger = logging.getLogger(__name__)
 
 STOP_TOKEN_IDS = (6561, 6562, 6563)
-TokenSink = Callable[[int | None], None]
+TokenSink = Callable[[int | None | BaseException], None]  # `llm_stream.TokenSink`
 
 
 class RasLogitsProcessor:
@@ -113,9 +115,16 @@ class VllmSpeechLlm:
         self._thread.start()
 
     def submit(
-        self, request_id: str, prompt_embeds: torch.Tensor, min_len: int, max_len: int, sink: TokenSink
+        self,
+        request_id: str,
+        prompt_embeds: torch.Tensor,
+        min_len: int,
+        max_len: int,
+        sink: TokenSink,
+        seed: int | None = None,
     ) -> None:
-        """Queue an utterance: `prompt_embeds` [T, H] (our `lm_input` without the batch dim)."""
+        """Queue an utterance: `prompt_embeds` [T, H] (our `lm_input` without the batch dim). A
+        `llm_stream.SpeechTokenStreamer`: the engine's `[engine] llm = "vllm"`."""
         from vllm import SamplingParams as VllmSamplingParams
 
         params = VllmSamplingParams(
@@ -126,6 +135,7 @@ class VllmSpeechLlm:
             stop_token_ids=list(STOP_TOKEN_IDS),
             detokenize=False,
             extra_args={"ras": True, "min_len": min_len},
+            seed=seed,
         )
         prompt = {
             "prompt_embeds": prompt_embeds.to(
@@ -152,6 +162,15 @@ class VllmSpeechLlm:
     # ---- driver thread ----------------------------------------------------------------------------
 
     def _drive(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:  # every waiting utterance fails with the cause, none waits forever
+            logger.exception("vLLM driver crashed")
+            for request in list(self._requests.values()):
+                request.sink(exc)
+            self._requests.clear()
+
+    def _loop(self) -> None:
         engine = self._engine
         while True:
             with self._wake:

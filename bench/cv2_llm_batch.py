@@ -35,11 +35,12 @@ def run_batch(llm, batch: int, steps: int, warmup: int, device: str, graphs: boo
         text = torch.randint(0, 1000, (30,), generator=gen).tolist()
         speech = torch.randint(0, 6561, (75,), generator=gen).tolist()
         session = llm.prefill(
-            text, text[:10], speech, generator=torch.Generator().manual_seed(row), kv=pool.acquire()
+            text, text[:10], speech, generator=torch.Generator(device).manual_seed(row), kv=pool.acquire()
         )
         session.min_len, session.max_len = 10_000, 10_000  # never stops during the timing
         sessions.append(session)
-    decode_batch(llm, sessions, static)  # the prompts (fed row by row)
+    first = decode_batch(llm, sessions, static)  # the prompts (fed row by row)
+    assert all(isinstance(t, int) for t in first), first
     for _ in range(warmup):
         decode_batch(llm, sessions, static)
     wall, cpu = [], []

@@ -149,7 +149,7 @@ class Cv2State:
             return FlowChunk(advance, final=True)
         return Prefill() if has_next else Finish()
 
-    def _whole_plan(self) -> Work:
+    def _whole_plan(self) -> Work | None:
         if self.segments is None:
             return Frontend()
         if self.llm is not None and not self.llm.finished:

@@ -22,6 +22,7 @@ def test_doctor_reports_every_check_on_the_tiny_model(tiny_model_dir):
         "[PASS] onnx flow estimator (onnxruntime, streamed): max |mel err|",
         "[PASS] onnx HiFT decoder (onnxruntime, streamed)",
         "[PASS] path eager fp32 (cpu): greedy agreement 1.000",
+        "(run-to-run floor)",
         "[PASS] path onnx (cpu)",
         "path bf16 (cpu)",
         "[SKIP] cuda graphs: no CUDA device",

@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 PARITY_TOL = 1e-4
 BF16_MIN_AGREEMENT = 0.5  # bf16 flips near-ties of random weights; a broken path agrees ~1/vocab
 BF16_MAX_MEL_ERROR = 1.0  # log-mel units; a broken path is off by the whole dynamic range
+RUN_TO_RUN_MAX = 1e-2  # eager fp32 streamed twice on one device; more means nondeterminism worth a report
 
 
 @dataclass
@@ -148,6 +149,11 @@ def speed_checks(
         work = Workload(llm_tokens=20 if not cuda else 100, speech_tokens=80, runs=1)
         paths = tuple(p for p in paths if p != "compile")
     results = measure_paths(model_dir, onnx_dir, paths, work, device=device)
+    # the eager fp32 row streams the same utterance a second time: its mel error is this device's
+    # run-to-run floor (0 on CPU; ~1e-3 at full size on CUDA, where cuBLAS may pick other kernels and
+    # 10 Euler steps with CFG amplify the last bits). Exact paths must stay within twice that floor.
+    floor = next((r.max_mel_error or 0.0 for r in results if r.path == "eager fp32" and not r.error), 0.0)
+    exact_tol = max(PARITY_TOL, 2 * floor)
     checks = []
     for r in results:
         name = f"path {r.path} ({device})"
@@ -157,11 +163,15 @@ def speed_checks(
         agreement, mel = r.token_agreement or 0.0, r.max_mel_error or 0.0
         if r.path in ("bf16", "fp16", "cuda graphs bf16"):  # reduced precision: near-ties flip
             ok = agreement >= BF16_MIN_AGREEMENT and mel <= BF16_MAX_MEL_ERROR
+        elif r.path == "eager fp32":  # the floor itself: deterministic enough to check against
+            ok = agreement >= 0.99 and mel <= RUN_TO_RUN_MAX
         elif r.path == "compile":
-            ok = agreement >= 0.99 and mel <= PARITY_TOL * 10
-        else:  # eager fp32 itself, onnx, cuda graphs (fp32): the same computation
-            ok = agreement >= 0.99 and mel <= PARITY_TOL
+            ok = agreement >= 0.99 and mel <= max(PARITY_TOL * 10, 2 * floor)
+        else:  # onnx, cuda graphs (fp32): the same computation
+            ok = agreement >= 0.99 and mel <= exact_tol
         detail = f"greedy agreement {agreement:.3f} over {r.tokens_compared} tokens, max |mel err| {mel:.2e}"
+        if r.path == "eager fp32":
+            detail += " (run-to-run floor)"
         checks.append(Check(name, "PASS" if ok else "FAIL", detail))
     from voicertc.export.report import text_table
 

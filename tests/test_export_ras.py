@@ -65,3 +65,59 @@ def test_matches_the_sampler_with_repeats_and_eos_banned():
     assert float(expected[6561]) == 0.0
     assert float(expected[0]) < 0.02  # the top id is almost always rejected (drawn again from p)
     assert _tv(_empirical(logits, decoded, 20000, ban=(6561,)), expected) < 0.02
+
+
+# ---- RasRows: the vLLM V1 logits-processor state, without vLLM ----------------------------------
+
+
+class _Params:
+    def __init__(self, **extra) -> None:
+        self.extra_args = extra
+
+
+class _Update:
+    def __init__(self, added=(), removed=(), moved=()) -> None:
+        self.added, self.removed, self.moved = list(added), list(removed), list(moved)
+
+
+class _Direction:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def test_ras_rows_follow_vllm_batch_updates():
+    from voicertc.export.ras_logits import RasRows
+
+    rows = RasRows()
+    out_a, out_b = [1, 2], [3]
+    rows.update_state(
+        _Update(
+            added=[
+                (0, _Params(ras=True, min_len=4, top_k=7), None, out_a),
+                (1, _Params(ras=True), None, out_b),
+            ]
+        )
+    )
+    assert rows.rows[0][1] == 4 and rows.rows[0][2].top_k == 7 and rows.rows[1][2].top_k == 25
+    rows.update_state(_Update(moved=[(0, 1, _Direction("SWAP"))]))
+    assert rows.rows[1][0] is out_a and rows.rows[0][0] is out_b
+    rows.update_state(_Update(added=[(2, _Params(), None, [])]))  # a row without RAS is left alone
+    assert 2 not in rows.rows
+    rows.update_state(_Update(removed=[0], moved=[(1, 0, _Direction("UNIDIRECTIONAL"))]))
+    assert set(rows.rows) == {0} and rows.rows[0][0] is out_a
+    rows.update_state(_Update(moved=[(5, 0, _Direction("UNIDIRECTIONAL"))]))  # an empty row moved over 0
+    assert rows.rows == {}
+    rows.update_state(None)
+
+
+def test_ras_rows_apply_the_ras_distribution_to_their_rows_only():
+    from voicertc.export.ras_logits import RasRows
+
+    rows = RasRows()
+    logits = _logits().repeat(2, 1)
+    plain = logits[1].clone()
+    rows.update_state(_Update(added=[(0, _Params(ras=True, min_len=0), None, [5, 5, 5])]))
+    out = rows.apply(logits.clone())
+    expected = ras_logits(_logits(), [5, 5, 5], SamplingParams(), False)
+    torch.testing.assert_close(out[0], expected.to(out.dtype))
+    torch.testing.assert_close(out[1], plain)

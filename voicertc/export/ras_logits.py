@@ -14,6 +14,7 @@ draws from exactly the distribution RAS draws from. `eos_banned` applies the off
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -65,3 +66,54 @@ def ras_logits(
         rest[x] = 0.0
         out += q[x] * rest / rest.sum()
     return out.clamp_min(0).log()
+
+
+class RasRows:
+    """The state of vLLM's V1 logits-processor interface for RAS, without vLLM (CPU-testable).
+
+    `update_state` follows a `BatchUpdate` (removed, then added `(index, params, ..., output_ids)`, then
+    moved `(source, target, direction)`); rows whose `SamplingParams.extra_args` carry `ras` get their
+    logits replaced by the log of RAS's distribution in `apply`. The RAS parameters travel in
+    `extra_args` too (the processor is built inside vLLM's engine process, which has no yaml).
+    `vllm_logits.RasLogitsProcessor` is this on vLLM's base class.
+    """
+
+    def __init__(self) -> None:
+        # batch index -> (output ids, min_len, RAS parameters)
+        self.rows: dict[int, tuple[list[int], int, SamplingParams]] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: Any) -> None:
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            self.rows.pop(index, None)
+        for added in batch_update.added:
+            index, params, output_ids = added[0], added[1], added[-1]
+            extra = getattr(params, "extra_args", None) or {}
+            if extra.get("ras"):
+                ras = SamplingParams(
+                    top_p=float(extra.get("top_p", 0.8)),
+                    top_k=int(extra.get("top_k", 25)),
+                    win_size=int(extra.get("win_size", 10)),
+                    tau_r=float(extra.get("tau_r", 0.1)),
+                )
+                self.rows[index] = (output_ids, int(extra.get("min_len", 0)), ras)
+            else:
+                self.rows.pop(index, None)
+        for source, target, direction in batch_update.moved:
+            moved = self.rows.pop(source, None)
+            other = self.rows.pop(target, None)  # a one-way move overwrites the target
+            if moved is not None:
+                self.rows[target] = moved
+            if other is not None and getattr(direction, "name", str(direction)).endswith("SWAP"):
+                self.rows[source] = other
+
+    def apply(self, logits: Tensor) -> Tensor:
+        for index, (output_ids, min_len, params) in self.rows.items():
+            if index < logits.shape[0]:
+                row = ras_logits(logits[index], output_ids, params, len(output_ids) < min_len)
+                logits[index] = row.to(logits.dtype)
+        return logits

@@ -73,7 +73,8 @@ def export_vllm(model_dir: str | Path, out: str | Path, dtype: str = "float32") 
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = exported_config(llm.config.qwen2, vocab, dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    generation = {"do_sample": True, "top_k": 25, "top_p": 0.8}
+    # no top_k/top_p here: RAS replaces the logits (our logits processor), vLLM then samples plainly
+    generation = {"do_sample": True}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
     shutil.copyfile(Path(__file__).with_name("cosyvoice2_hf.py"), out / MODELING_FILE)
     logger.info("exported the CosyVoice2 LLM of %s to %s (%s, vocab %d)", model_dir, out, dtype, vocab)

@@ -585,7 +585,12 @@ def llm_streamer(model: CosyVoice2Model, engine: EngineConfig) -> SpeechTokenStr
             raise ConfigError("engine.llm: vllm needs a CUDA device (engine.device)")
         from voicertc.backends.cosyvoice2.vllm_runner import VllmSpeechLlm
 
-        return VllmSpeechLlm(str(vllm_export_dir(engine)), dtype=engine.dtype)
+        # vLLM's attention backends serve half precision; fp32 would fall back to a slow one
+        dtype = "bfloat16" if engine.dtype == "float32" else engine.dtype
+        if dtype != engine.dtype:
+            logger.info("engine.llm = vllm: the speech LLM runs in bfloat16 on vLLM")
+        path = str(vllm_export_dir(engine))
+        return VllmSpeechLlm(path, dtype=dtype, ras=model.llm.sampling_params)
     return None
 
 

@@ -9,9 +9,10 @@ streamer protocol as `llm = "thread"`, whose engine tests run everywhere).
   `skip_tokenizer_init` and `enable_prompt_embeds` (the architecture is registered by our plugin entry
   point, `voicertc.export.vllm_plugin`).
 - A prompt is passed as embeddings ([sos, text, task_id, prompt speech], from our `Qwen2LM.lm_input`).
-- RAS runs as a V1 logits processor (`RasLogitsProcessor`): it replaces each row's logits by the log of
-  RAS's distribution, so vLLM's plain sampling (temperature 1, no top-k/top-p) draws as RAS does, and
-  bans eos below the minimum length as the reference does (only 6561).
+- RAS runs as a V1 logits processor (`vllm_logits.RasLogitsProcessor`, loaded by name; its state,
+  `ras_logits.RasRows`, is CPU-tested): it replaces each row's logits by the log of RAS's
+  distribution, so vLLM's plain sampling (temperature 1, no top-k/top-p) draws as RAS does, and bans
+  eos below the minimum length as the reference does (only 6561).
 - One driver thread owns the vLLM engine: it waits on a condition while idle (no polling), steps while
   requests run, and hands every new token (None = finished) to the request's `sink`, which puts it on the
   engine worker's queue; the worker never waits on vLLM.
@@ -28,51 +29,11 @@ from typing import Any
 import torch
 
 from voicertc.backends.cosyvoice2.sampling import SamplingParams
-from voicertc.export.ras_logits import ras_logits
 
 logger = logging.getLogger(__name__)
 
 STOP_TOKEN_IDS = (6561, 6562, 6563)
 TokenSink = Callable[[int | None | BaseException], None]  # `llm_stream.TokenSink`
-
-
-class RasLogitsProcessor:
-    """vLLM V1 logits processor (duck-typed against `vllm.v1.sample.logits_processor.LogitsProcessor`)."""
-
-    def __init__(self, vllm_config: Any = None, device: Any = None, is_pin_memory: bool = False) -> None:
-        self.params = SamplingParams()
-        self.rows: dict[int, tuple[list[int], int]] = {}  # batch index -> (output ids, min_len)
-
-    def is_argmax_invariant(self) -> bool:
-        return False
-
-    def update_state(self, batch_update: Any) -> None:
-        if batch_update is None:
-            return
-        for index in batch_update.removed:
-            self.rows.pop(index, None)
-        for added in batch_update.added:
-            index, params, output_ids = added[0], added[1], added[-1]
-            extra = getattr(params, "extra_args", None) or {}
-            if extra.get("ras"):
-                self.rows[index] = (output_ids, int(extra.get("min_len", 0)))
-            else:
-                self.rows.pop(index, None)
-        for source, target, direction in batch_update.moved:
-            moved = self.rows.pop(source, None)
-            swap = "SWAP" in str(direction)
-            other = self.rows.pop(target, None) if swap else None
-            if moved is not None:
-                self.rows[target] = moved
-            if other is not None:
-                self.rows[source] = other
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        for index, (output_ids, min_len) in self.rows.items():
-            if index < logits.shape[0]:
-                row = ras_logits(logits[index], output_ids, self.params, len(output_ids) < min_len)
-                logits[index] = row.to(logits.dtype)
-        return logits
 
 
 @dataclass
@@ -87,7 +48,9 @@ class VllmSpeechLlm:
 
     model_path: str
     gpu_memory_utilization: float = 0.2
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # vLLM's fast attention backends do not serve float32
+    max_model_len: int = 4096  # prompt + speech tokens of one segment, far below Qwen2's 32k
+    ras: SamplingParams = field(default_factory=SamplingParams)  # the model yaml's llm.sampling
     _engine: Any = field(default=None, init=False, repr=False)
     _requests: dict[str, _Request] = field(default_factory=dict, init=False, repr=False)
     _pending: list[tuple[str, Any, Any]] = field(default_factory=list, init=False, repr=False)
@@ -99,16 +62,18 @@ class VllmSpeechLlm:
     def start(self) -> None:
         from vllm import EngineArgs, LLMEngine
 
+        from voicertc.backends.cosyvoice2.vllm_logits import LOGITS_PROCESSOR
         from voicertc.export.vllm_plugin import register
 
-        register()
+        register()  # this process; vLLM's engine-core process registers through the entry point
         args = EngineArgs(
             model=self.model_path,
             skip_tokenizer_init=True,
             enable_prompt_embeds=True,
             dtype=self.dtype,
+            max_model_len=self.max_model_len,
             gpu_memory_utilization=self.gpu_memory_utilization,
-            logits_processors=[RasLogitsProcessor],
+            logits_processors=[LOGITS_PROCESSOR],
         )
         self._engine = LLMEngine.from_engine_args(args)
         self._thread = threading.Thread(target=self._drive, name="vllm-driver", daemon=True)
@@ -134,7 +99,14 @@ class VllmSpeechLlm:
             max_tokens=max_len,
             stop_token_ids=list(STOP_TOKEN_IDS),
             detokenize=False,
-            extra_args={"ras": True, "min_len": min_len},
+            extra_args={
+                "ras": True,
+                "min_len": min_len,
+                "top_p": self.ras.top_p,
+                "top_k": self.ras.top_k,
+                "win_size": self.ras.win_size,
+                "tau_r": self.ras.tau_r,
+            },
             seed=seed,
         )
         prompt = {
@@ -143,6 +115,8 @@ class VllmSpeechLlm:
             )
         }
         with self._wake:
+            if self._stopping or self._thread is None or not self._thread.is_alive():
+                raise RuntimeError("the vLLM runner is not running")
             self._requests[request_id] = _Request(sink)
             self._pending.append((request_id, prompt, params))
             self._wake.notify()
@@ -182,14 +156,16 @@ class VllmSpeechLlm:
                     return
                 pending, self._pending = self._pending, []
                 cancelled, self._cancelled = self._cancelled, []
-            for request_id, prompt, params in pending:
-                engine.add_request(request_id, prompt, params)
-            if cancelled:
+            if cancelled:  # (ids are unique per segment: a cancelled one is never submitted again)
                 engine.abort_request(cancelled)
                 for request_id in cancelled:
                     self._requests.pop(request_id, None)
-            for output in engine.step():
-                self._deliver(output)
+            for request_id, prompt, params in pending:
+                if request_id not in cancelled:  # cancelled before vLLM saw it
+                    engine.add_request(request_id, prompt, params)
+            if engine.has_unfinished_requests():  # step() blocks on an idle engine core
+                for output in engine.step():
+                    self._deliver(output)
 
     def _deliver(self, output: Any) -> None:
         request = self._requests.get(output.request_id)

@@ -144,9 +144,6 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--cuda-graphs", action="store_true", help="[engine] cuda_graphs (CUDA only)")
-    parser.add_argument(
-        "--step-budget", choices=["on", "off"], default="on", help="[engine] step_budget_batches"
-    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.model_dir == str(DEFAULT_OUT):
@@ -162,12 +159,7 @@ def main() -> None:
     backend = CosyVoice2Backend(model, options=options)
     voice = pick_voice(backend, model)
     backend.warm_up()  # as create_backend does: kernels, allocators, and the decode graphs if asked
-    engine = EngineWorker(
-        backend,
-        default_voice=voice,
-        max_utterances=max(args.concurrency) + 1,
-        step_budget_batches=args.step_budget == "on",
-    )
+    engine = EngineWorker(backend, default_voice=voice, max_utterances=max(args.concurrency) + 1)
     engine.start()
     try:
         run_level(engine, voice, 1, args.timeout_s)  # warm-up: kernels, allocator, caches
@@ -177,7 +169,6 @@ def main() -> None:
     print(table([_row(r) for r in results], list(_row(results[0]))))  # noqa: T201 - benchmark output
     record = {"args": vars(args), "device_name": _device_name(args.device), "results": results}
     name = f"cv2_load_{args.device.split(':')[0]}_{args.dtype}{'_graphs' if args.cuda_graphs else ''}"
-    name += "" if args.step_budget == "on" else "_nobudget"
     print("wrote", write_json(name, record))  # noqa: T201
 
 

@@ -87,20 +87,3 @@ def test_a_starving_leader_is_never_held_back_for_a_partner():
     leader = job("leader", FlowChunk(28), queued_ms=120)
     near = job("near", Decode(until_chunk=1, chunk_advance=28), opened_s=1.0)
     assert names(form_batch([leader, near], max_batch=16, pull_tokens=8)) == ["leader"]
-
-
-def test_the_step_budget_limit_cuts_a_batch_but_keeps_its_leader():
-    jobs = [
-        job("starving", Decode(), queued_ms=50.0),
-        job("older", Decode(), opened_s=1.0),
-        job("new", Decode(), opened_s=2.0),
-    ]
-    seen = []
-
-    def rows_for(key, cap):
-        seen.append((key, cap))
-        return 2
-
-    assert names(form_batch(jobs, max_batch=16, rows_for=rows_for)) == ["starving", "older"]
-    assert seen == [(("decode",), 16)]
-    assert names(form_batch(jobs, max_batch=16, rows_for=lambda key, cap: 0)) == ["starving"]

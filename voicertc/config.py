@@ -74,7 +74,6 @@ class EngineConfig:
     max_step_ms: int = 200
     piper_piece_phonemes: int = 0
     max_batch: int = 16
-    step_budget_batches: bool = True
     estimator: str = "torch"
     compile: bool = False
     cuda_graphs: bool = False

@@ -75,7 +75,6 @@ def create_engine(config: Config, *, local: bool = False) -> Engine:
             max_step_ms=config.engine.max_step_ms,
             max_utterance_s=config.limits.max_utterance_s,
             max_batch=config.engine.max_batch,
-            step_budget_batches=config.engine.step_budget_batches,
         )
         for i in range(config.engine.workers)
     ]

@@ -11,15 +11,14 @@ turns, least served first.
 
 Batches: the most urgent unit leads; every other unit with the same `batch_key` joins it, most urgent
 first, up to `max_batch` (all runnable LLM decodes in one forward; flow chunks that advance by the same
-number of tokens; vocoder runs across utterances), and up to what fits the step budget when the worker
-passes its learned costs (`rows_for`). Pull-forward: when the leader is a flow chunk and some
+number of tokens; vocoder runs across utterances). Pull-forward: when the leader is a flow chunk and some
 decoding utterance is at most `pull_tokens` tokens short of a chunk with the same advance, the decodes run
 first (the leader is not starving), so the chunks then run as one batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
 from voicertc.engine.backend import Backend
@@ -64,34 +63,22 @@ def pick_next(runnable: list[Utterance]) -> Utterance:
     return min(runnable, key=urgency)
 
 
-def form_batch(
-    candidates: Sequence[J],
-    max_batch: int,
-    pull_tokens: int = 0,
-    rows_for: Callable[[tuple[object, ...], int], int] | None = None,
-) -> list[J]:
-    """The batch to run now: the most urgent unit and its compatible partners (module docstring).
-
-    `rows_for(key, max_batch)` may lower the rows of a batch of that key (the worker's step budget,
-    `step_cost.StepCosts`); at least one row always runs."""
+def form_batch(candidates: Sequence[J], max_batch: int, pull_tokens: int = 0) -> list[J]:
+    """The batch to run now: the most urgent unit and its compatible partners (module docstring)."""
     if not candidates:
         return []
     ranked = sorted(candidates, key=lambda job: urgency(job.utt))
     leader = ranked[0]
     work = leader.work
-
-    def limit(key: tuple[object, ...]) -> int:
-        return max(1, rows_for(key, max_batch) if rows_for is not None else max_batch)
-
     if isinstance(work, FlowChunk) and not work.final and pull_tokens > 0 and urgency(leader.utt)[0] != 0:
         if any(_pullable(job, work.advance_tokens, pull_tokens) for job in ranked):
             decodes = [job for job in ranked if isinstance(job.work, Decode)]
             decodes.sort(key=lambda job: not _pullable(job, work.advance_tokens, pull_tokens))  # stable
-            return decodes[: limit(("decode",))]
+            return decodes[: max(1, max_batch)]
     key = batch_key(work)
     if key is None:
         return [leader]
-    return [job for job in ranked if batch_key(job.work) == key][: limit(key)]
+    return [job for job in ranked if batch_key(job.work) == key][: max(1, max_batch)]
 
 
 def _pullable(job: Job[Any], advance: int, pull_tokens: int) -> bool:

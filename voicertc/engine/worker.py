@@ -54,10 +54,9 @@ from voicertc.engine.protocol import (
     Wake,
 )
 from voicertc.engine.scheduler import form_batch, sink_heads
-from voicertc.engine.step_cost import StepCosts
 from voicertc.engine.step_stats import StepStats
 from voicertc.engine.utterance import Utterance
-from voicertc.engine.work import Job, batch_key, stage_name
+from voicertc.engine.work import Job, stage_name
 from voicertc.errors import (
     EngineStoppedError,
     InputError,
@@ -112,7 +111,6 @@ class EngineWorker:
         max_utterance_s: float | None = None,
         max_batch: int = 16,
         pull_tokens: int = 8,
-        step_budget_batches: bool = False,
         clock: Callable[[], float] = time.monotonic,
         observer: Callable[[BatchReport], None] | None = None,
     ) -> None:
@@ -129,8 +127,6 @@ class EngineWorker:
         self.batch_stats = BatchStats()  # batch sizes per stage, host vs model time, runnable depth
         self.max_batch = max_batch
         self.pull_tokens = pull_tokens
-        # batches cut to what fits max_step_ms, from the costs of the batches run so far (step_cost)
-        self.step_costs: StepCosts | None = StepCosts() if step_budget_batches else None
         self.clock = clock
         self.observer = observer  # called on the engine thread after every batch (metrics)
         self._batch_backend = as_batch_backend(backend) if backend is not None else None
@@ -371,12 +367,7 @@ class EngineWorker:
                 self._flush(utt)
         jobs = [job for job in jobs if self._live(job.utt)]
         if jobs:
-            self._run_batch(form_batch(jobs, self.max_batch, self.pull_tokens, self._rows_for))
-
-    def _rows_for(self, key: tuple[object, ...], cap: int) -> int:
-        if self.step_costs is None:
-            return cap
-        return self.step_costs.max_rows(key, self.step_stats.max_step_ms, cap)
+            self._run_batch(form_batch(jobs, self.max_batch, self.pull_tokens))
 
     def _idle_timeout_s(self) -> float | None:
         wakes = []
@@ -475,9 +466,6 @@ class EngineWorker:
         except Exception as exc:  # noqa: BLE001 - a backend that failed the whole batch fails its members
             results = [exc] * len(batch)
         model_s = self.clock() - started
-        key = batch_key(batch[0].work)
-        if self.step_costs is not None and key is not None:
-            self.step_costs.observe(key, len(batch), 1000.0 * model_s)
         over = self.step_stats.observe(1000.0 * model_s, 1000.0 * (time.thread_time() - cpu_started))
         share_s = model_s / len(batch)
         for job, result in zip(batch, results, strict=True):

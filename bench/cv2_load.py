@@ -29,6 +29,7 @@ from bench.make_full_model_dir import DEFAULT_OUT, make_full_model_dir
 from bench.report import summary, table, write_json
 from voicertc.audio import PcmRing, RingSink
 from voicertc.backends.cosyvoice2.engine_backend import DTYPES, BackendOptions, CosyVoice2Backend
+from voicertc.backends.cosyvoice2.llm_stream import ThreadedSpeechLlm
 from voicertc.backends.cosyvoice2.loader import CosyVoice2Model, load
 from voicertc.engine import Done, EngineEvent, Failed, FirstAudio
 from voicertc.engine.worker import EngineWorker
@@ -144,6 +145,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--cuda-graphs", action="store_true", help="[engine] cuda_graphs (CUDA only)")
+    parser.add_argument("--llm", choices=["torch", "thread"], default="torch", help="[engine] llm")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.model_dir == str(DEFAULT_OUT):
@@ -156,7 +158,10 @@ def main() -> None:
         cuda_graphs=args.cuda_graphs,
         graph_rows=max(args.concurrency),
     )
-    backend = CosyVoice2Backend(model, options=options)
+    streamer = ThreadedSpeechLlm(model.llm) if args.llm == "thread" else None
+    backend = CosyVoice2Backend(model, options=options, streamer=streamer)
+    if streamer is not None:
+        streamer.start()
     voice = pick_voice(backend, model)
     backend.warm_up()  # as create_backend does: kernels, allocators, and the decode graphs if asked
     engine = EngineWorker(backend, default_voice=voice, max_utterances=max(args.concurrency) + 1)
@@ -169,6 +174,7 @@ def main() -> None:
     print(table([_row(r) for r in results], list(_row(results[0]))))  # noqa: T201 - benchmark output
     record = {"args": vars(args), "device_name": _device_name(args.device), "results": results}
     name = f"cv2_load_{args.device.split(':')[0]}_{args.dtype}{'_graphs' if args.cuda_graphs else ''}"
+    name += "" if args.llm == "torch" else f"_llm_{args.llm}"
     print("wrote", write_json(name, record))  # noqa: T201
 
 

@@ -6,8 +6,8 @@ prompt (embeddings [T, H], as vLLM takes them) to the streamer and consumes what
 
 * `llm = "vllm"`: `vllm_runner.VllmSpeechLlm` (CUDA; the exported model, RAS as a logits processor);
 * `llm = "thread"`: `ThreadedSpeechLlm`, our own torch LLM on its own thread, batching its rows on its own
-  slot KV cache. It is the same seam proven on any machine, and on a multi-core CPU it can overlap LLM
-  decode with the flow and the vocoder of the engine thread (not measured yet).
+  slot KV cache. It is the same seam proven on any machine, and it overlaps LLM decode with the flow
+  and the vocoder of the engine thread (on a 2-core box that does not pay yet: README).
 
 The streamer's thread calls the session's `push` (a token, None at the end, or an exception); `push`
 appends to the session's inbox (a deque: one producer, one consumer) and wakes the engine worker, which

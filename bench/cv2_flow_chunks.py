@@ -18,9 +18,9 @@ import torch
 
 from bench.golden import GOLDEN
 from bench.report import table, write_json
-from voicertc.backends.cosyvoice2.flow import CausalFlow, load_flow_state_dict
-from voicertc.backends.cosyvoice2.flow_config import FlowConfig
-from voicertc.backends.cosyvoice2.yaml_config import load_yaml
+from voicertc.backends.cosyvoice.flow.config import FlowConfig
+from voicertc.backends.cosyvoice.flow.flow import CausalFlow, load_flow_state_dict
+from voicertc.backends.cosyvoice.load.yaml_config import load_yaml
 
 
 def build(full: bool, device: str) -> CausalFlow:

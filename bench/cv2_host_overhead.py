@@ -22,10 +22,10 @@ import torch
 
 from bench.cv2_load import pick_voice
 from bench.report import table, write_json
-from voicertc.backends.cosyvoice2 import llm_batch
-from voicertc.backends.cosyvoice2.engine_backend import BackendOptions, CosyVoice2Backend
-from voicertc.backends.cosyvoice2.llm import Qwen2LM
-from voicertc.backends.cosyvoice2.loader import load
+from voicertc.backends.cosyvoice.llm import kv as llm_kv
+from voicertc.backends.cosyvoice.llm.qwen2lm import Qwen2LM
+from voicertc.backends.cosyvoice.load.v2 import load
+from voicertc.backends.cosyvoice.serve.backend import BackendOptions, CosyVoice2Backend
 from voicertc.engine import Done, EngineEvent, Failed
 from voicertc.engine.worker import BatchReport, EngineWorker
 
@@ -85,8 +85,8 @@ def run(model, batch: int, max_tokens: int) -> dict[str, object]:
         if report.stage == "decode":
             decode_cpu[0] += report.cpu_s
 
-    forward, feed = llm_batch.SlotKV.forward, Qwen2LM.feed
-    llm_batch.SlotKV.forward = clock.wrap(forward)  # type: ignore[method-assign]
+    forward, feed = llm_kv.SlotKV.forward, Qwen2LM.feed
+    llm_kv.SlotKV.forward = clock.wrap(forward)  # type: ignore[method-assign]
     Qwen2LM.feed = clock.wrap(feed)  # type: ignore[method-assign]
     engine = EngineWorker(backend, observer=observe, max_batch=max(16, batch))
     done = threading.Semaphore(0)
@@ -103,7 +103,7 @@ def run(model, batch: int, max_tokens: int) -> dict[str, object]:
             done.acquire(timeout=600)
     finally:
         engine.stop()
-        llm_batch.SlotKV.forward = forward  # type: ignore[method-assign]
+        llm_kv.SlotKV.forward = forward  # type: ignore[method-assign]
         Qwen2LM.feed = feed  # type: ignore[method-assign]
     rows = backend.stats["decode_rows"]
     host_s = decode_cpu[0] - clock.cpu_s

@@ -21,9 +21,10 @@ import torch
 
 from bench.make_full_model_dir import DEFAULT_OUT
 from bench.report import summary, table, write_json
-from voicertc.backends.cosyvoice2.decode_graphs import DecodeGraphs
-from voicertc.backends.cosyvoice2.llm_batch import SlotKV, decode_batch
-from voicertc.backends.cosyvoice2.loader import load_llm
+from voicertc.backends.cosyvoice.llm.batch import decode_batch
+from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs
+from voicertc.backends.cosyvoice.llm.kv import SlotKV
+from voicertc.backends.cosyvoice.load.v2 import load_llm
 
 
 def run_batch(llm, batch: int, steps: int, warmup: int, device: str, graphs: bool) -> dict[str, object]:

@@ -28,9 +28,9 @@ import torch
 from bench.make_full_model_dir import DEFAULT_OUT, make_full_model_dir
 from bench.report import summary, table, write_json
 from voicertc.audio import PcmRing, RingSink
-from voicertc.backends.cosyvoice2.engine_backend import DTYPES, BackendOptions, CosyVoice2Backend
-from voicertc.backends.cosyvoice2.llm_stream import ThreadedSpeechLlm
-from voicertc.backends.cosyvoice2.loader import CosyVoice2Model, load
+from voicertc.backends.cosyvoice.llm.streamer import ThreadedSpeechLlm
+from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model, load
+from voicertc.backends.cosyvoice.serve.backend import DTYPES, BackendOptions, CosyVoice2Backend
 from voicertc.engine import Done, EngineEvent, Failed, FirstAudio
 from voicertc.engine.worker import EngineWorker
 

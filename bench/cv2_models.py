@@ -33,11 +33,11 @@ from torch import Tensor
 from bench.cv2_flow_chunks import GOLDEN, timed
 from bench.cv2_flow_chunks import build as build_flow_fp32
 from bench.report import summary, table, write_json
-from voicertc.backends.cosyvoice2.flow import CausalFlow, FlowStreamState
-from voicertc.backends.cosyvoice2.hift import HiftConfig, HiFTGenerator
-from voicertc.backends.cosyvoice2.hift_stream import hift_stream_step, init_hift_stream_state
-from voicertc.backends.cosyvoice2.hift_weights import load_hift_state_dict
-from voicertc.backends.cosyvoice2.llm import LlmConfig, Qwen2LM, build_llm
+from voicertc.backends.cosyvoice.flow.flow import CausalFlow, FlowStreamState
+from voicertc.backends.cosyvoice.hift.generator import HiftConfig, HiFTGenerator
+from voicertc.backends.cosyvoice.hift.stream import hift_stream_step, init_hift_stream_state
+from voicertc.backends.cosyvoice.hift.weights import load_hift_state_dict
+from voicertc.backends.cosyvoice.llm.qwen2lm import LlmConfig, Qwen2LM, build_llm
 
 TOKEN_HZ, MEL_HZ = 25, 50
 PROMPT_TOKENS = 75  # 3 s

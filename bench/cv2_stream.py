@@ -27,9 +27,9 @@ import torch
 from bench.cv2_flow_chunks import timed
 from bench.make_full_model_dir import DEFAULT_OUT, make_full_model_dir
 from bench.report import summary, table, write_json
-from voicertc.backends.cosyvoice2.engine_backend import DTYPES, BackendOptions, CosyVoice2Backend
-from voicertc.backends.cosyvoice2.flow import CausalFlow
-from voicertc.backends.cosyvoice2.loader import CosyVoice2Model, load
+from voicertc.backends.cosyvoice.flow.flow import CausalFlow
+from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model, load
+from voicertc.backends.cosyvoice.serve.backend import DTYPES, BackendOptions, CosyVoice2Backend
 from voicertc.engine import ChunkSchedule
 from voicertc.engine.utterance import Utterance
 

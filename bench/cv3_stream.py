@@ -32,15 +32,15 @@ import torch
 from bench.golden import GOLDEN
 from bench.make_full_model_dir import full_size_yaml
 from bench.report import summary, table, write_json
-from voicertc.backends.cosyvoice2.yaml_config import load_yaml
-from voicertc.backends.cosyvoice3.flow import CausalFlowV3, load_flow_v3_state_dict
-from voicertc.backends.cosyvoice3.flow_config import FlowV3Config
-from voicertc.backends.cosyvoice3.hift import (
+from voicertc.backends.cosyvoice.flow.config_v3 import FlowV3Config
+from voicertc.backends.cosyvoice.flow.flow_v3 import CausalFlowV3, load_flow_v3_state_dict
+from voicertc.backends.cosyvoice.hift.causal import (
     CausalHiFTGenerator,
     HiftStreamState,
     HiftV3Config,
     load_hift_v3_state_dict,
 )
+from voicertc.backends.cosyvoice.load.yaml_config import load_yaml
 from voicertc.engine import ChunkSchedule
 
 PROMPT_TOKENS = 75

@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 
 from bench.report import machine, summary, table, write_json
+from voicertc.assemble import create_engine
 from voicertc.audio import PcmRing, RingSink
 from voicertc.config import Config, config_from_dict
-from voicertc.engine.factory import create_engine
 from voicertc.engine.protocol import Done, EngineEvent, Failed
 
 FAKE_TEXT = "The quick brown fox jumps over the lazy dog, while the band plays on."

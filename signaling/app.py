@@ -26,8 +26,8 @@ from signaling.registry import CallRegistry
 from signaling.routes import REGISTRY, routes
 from signaling.voice_admin import VoiceAdmin
 from signaling.voice_routes import VOICES, voice_routes
+from voicertc.assemble import create_engine
 from voicertc.config import Config
-from voicertc.engine.factory import create_engine
 from voicertc.engine.protocol import Engine
 from voicertc.errors import ConfigError, EngineStoppedError
 from voicertc.listen.models import load_listen_models

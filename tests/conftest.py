@@ -127,7 +127,7 @@ def tiny_model_dir(tmp_path_factory, golden_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def flow(tiny_model_dir):
-    from voicertc.backends.cosyvoice2.flow import CausalFlow
+    from voicertc.backends.cosyvoice.flow.flow import CausalFlow
 
     return CausalFlow.from_model_dir(tiny_model_dir)
 

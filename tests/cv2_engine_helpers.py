@@ -16,9 +16,9 @@ if str(REPO) not in sys.path:
 
 from bench.make_tiny_model_dir import SFT_VOICE as SFT_VOICE  # noqa: E402 - re-exported
 from bench.make_tiny_model_dir import make_tiny_model_dir  # noqa: E402
-from voicertc.backends.cosyvoice2.engine_backend import BackendOptions, CosyVoice2Backend  # noqa: E402
-from voicertc.backends.cosyvoice2.loader import CosyVoice2Model, load  # noqa: E402
-from voicertc.backends.cosyvoice2.voices import Voice  # noqa: E402
+from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model, load  # noqa: E402
+from voicertc.backends.cosyvoice.serve.backend import BackendOptions, CosyVoice2Backend  # noqa: E402
+from voicertc.backends.cosyvoice.voice.voices import Voice  # noqa: E402
 
 GOLDEN_VOICE = "golden"
 

@@ -29,7 +29,7 @@ from browser_helpers import (
     write_config,
 )
 
-from voicertc.backends.cosyvoice2.text import TextFrontend
+from voicertc.backends.cosyvoice.voice.text import TextFrontend
 
 pytestmark = [pytest.mark.browser]
 

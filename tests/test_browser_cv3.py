@@ -28,7 +28,7 @@ from browser_helpers import (
 )
 from test_browser_cv2 import LOUD_RMS, MIN_SPEECH_RMS, MS_PER_TEXT_TOKEN, SENTENCE, window_rms
 
-from voicertc.backends.cosyvoice3.text import TextFrontendV3
+from voicertc.backends.cosyvoice.voice.text_v3 import TextFrontendV3
 
 pytestmark = [pytest.mark.browser]
 

@@ -8,8 +8,8 @@ import contextlib
 import pytest
 from call_helpers import PeerClient, fake_config, rms
 
+from voicertc.assemble import create_engine
 from voicertc.config import LimitsConfig
-from voicertc.engine.factory import create_engine
 from voicertc.errors import InputError, UnknownVoiceError
 from voicertc.webrtc import patch_aioice_loopback
 from voicertc.webrtc.call import Call, CallClosedError

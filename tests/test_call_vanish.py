@@ -15,7 +15,7 @@ import gc
 from aiortc.rtcdtlstransport import State
 from call_helpers import PeerClient, fake_config
 
-from voicertc.engine.factory import create_engine
+from voicertc.assemble import create_engine
 from voicertc.webrtc import patch_aioice_loopback
 from voicertc.webrtc.call import Call
 

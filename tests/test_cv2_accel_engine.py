@@ -7,11 +7,11 @@ import pytest
 import torch
 from cv2_engine_helpers import build_speaking_model_dir
 
-from voicertc.backends.cosyvoice2.engine_backend import create_backend
-from voicertc.backends.cosyvoice2.estimator_graph import OnnxRuntimeEstimator
+from voicertc.backends.cosyvoice.accel.onnx_export import ESTIMATOR_FILE
+from voicertc.backends.cosyvoice.flow.graph import OnnxRuntimeEstimator
+from voicertc.backends.cosyvoice.serve.backend import create_backend
 from voicertc.config import Config
 from voicertc.errors import ConfigError
-from voicertc.export.onnx_export import ESTIMATOR_FILE
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_gpu_only_paths_are_refused_on_cpu(speaking_dir):
 
 
 def test_llm_thread_builds_a_started_streamer_and_stops_it(speaking_dir):
-    from voicertc.backends.cosyvoice2.llm_stream import ThreadedSpeechLlm
+    from voicertc.backends.cosyvoice.llm.streamer import ThreadedSpeechLlm
 
     backend = create_backend(_config(speaking_dir, llm="thread", voices_dir=""))
     streamer = backend.streamer

@@ -8,14 +8,14 @@ import sys
 import pytest
 import torch
 
-from voicertc.backends.cosyvoice2.bistream import (
+from voicertc.backends.cosyvoice.llm.bistream import (
     BistreamSession,
     Segment,
     embed_segments,
     plan_next_input,
 )
-from voicertc.backends.cosyvoice2.llm import EOS_ID, LlmConfig, build_llm
-from voicertc.backends.cosyvoice2.yaml_config import load_yaml
+from voicertc.backends.cosyvoice.llm.qwen2lm import EOS_ID, LlmConfig, build_llm
+from voicertc.backends.cosyvoice.load.yaml_config import load_yaml
 
 torch.set_num_threads(2)
 

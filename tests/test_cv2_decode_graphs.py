@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from voicertc.backends.cosyvoice2.decode_graphs import DecodeGraphs, batch_buckets, bucket_for
-from voicertc.backends.cosyvoice2.llm_batch import SlotKV
-from voicertc.backends.cosyvoice2.loader import load_llm
+from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs, batch_buckets, bucket_for
+from voicertc.backends.cosyvoice.llm.kv import SlotKV
+from voicertc.backends.cosyvoice.load.v2 import load_llm
 
 
 def test_buckets_cover_every_batch_size():

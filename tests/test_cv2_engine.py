@@ -19,8 +19,8 @@ from cv2_engine_helpers import (
 )
 from engine_helpers import EventLog, RecordingSink
 
-from voicertc.backends.cosyvoice2.engine_backend import CosyVoice2Backend
-from voicertc.backends.cosyvoice2.loader import CosyVoice2Model
+from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model
+from voicertc.backends.cosyvoice.serve.backend import CosyVoice2Backend
 from voicertc.engine import Cancelled, ChunkSchedule, Done, Failed, FirstAudio
 from voicertc.engine.worker import EngineWorker
 from voicertc.errors import InputError, UnknownVoiceError
@@ -231,8 +231,8 @@ def test_voice_registration_persists_and_bad_prompts_are_refused(model, golden_d
 
 
 def test_factory_builds_the_cosyvoice2_engine_from_config(model, tmp_path):
+    from voicertc.assemble import create_engine
     from voicertc.config import Config, EngineConfig, ScheduleConfig
-    from voicertc.engine.factory import create_engine
 
     config = Config(
         engine=EngineConfig(

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from voicertc.backends.cosyvoice2.features import (
+from voicertc.backends.cosyvoice.voice.features import (
     kaldi_fbank,
     kaldi_mel_banks,
     prompt_mel,
@@ -15,7 +15,7 @@ from voicertc.backends.cosyvoice2.features import (
     slaney_mel_basis,
     whisper_log_mel,
 )
-from voicertc.backends.cosyvoice2.onnx_frontends import CampPlus, SpeechTokenizer
+from voicertc.backends.cosyvoice.voice.onnx_frontends import CampPlus, SpeechTokenizer
 from voicertc.errors import InputError, ModelDirError
 
 torch.set_num_threads(2)

@@ -9,7 +9,7 @@ from cv2_engine_helpers import build_speaking_model_dir, load_speaking_model
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
-from voicertc.backends.cosyvoice2.loader import CosyVoice2Model
+from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model
 from voicertc.engine import ChunkSchedule
 
 ATOL = 1e-4

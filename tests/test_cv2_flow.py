@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from voicertc.backends.cosyvoice2.flow import CausalFlow, load_flow_state_dict
-from voicertc.backends.cosyvoice2.flow_config import FlowConfig
-from voicertc.backends.cosyvoice2.yaml_config import load_yaml
+from voicertc.backends.cosyvoice.flow.config import FlowConfig
+from voicertc.backends.cosyvoice.flow.flow import CausalFlow, load_flow_state_dict
+from voicertc.backends.cosyvoice.load.yaml_config import load_yaml
 from voicertc.errors import InputError, ModelDirError
 
 ATOL = 1e-4

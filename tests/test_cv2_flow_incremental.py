@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from voicertc.backends.cosyvoice2 import flow as flow_module
-from voicertc.backends.cosyvoice2.flow import CausalFlow, FlowStreamState
-from voicertc.backends.cosyvoice2.flow_kv import MOVE_RATE
+from voicertc.backends.cosyvoice.flow import flow as flow_module
+from voicertc.backends.cosyvoice.flow.flow import CausalFlow, FlowStreamState
+from voicertc.backends.cosyvoice.flow.kv import MOVE_RATE
 
 ATOL = 1e-4
 RTOL = 1e-4

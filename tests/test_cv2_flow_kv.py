@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from voicertc.backends.cosyvoice2.flow_kv import MOVE_RATE, KVCache, two_segment_attention, two_segment_sdpa
+from voicertc.backends.cosyvoice.flow.kv import MOVE_RATE, KVCache, two_segment_attention, two_segment_sdpa
 
 
 def _frames(gen: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from cv2_engine_helpers import build_speaking_model_dir
 
-from voicertc.backends.cosyvoice2.loader import load
+from voicertc.backends.cosyvoice.load.v2 import load
 from voicertc.errors import ModelDirError
 
 torch.set_num_threads(2)
@@ -68,8 +68,8 @@ def test_missing_tokenizer_files_are_named(speaking_dir, tmp_path):
 
 
 def test_engine_start_fails_naming_the_file(speaking_dir, tmp_path):
+    from voicertc.assemble import create_engine
     from voicertc.config import Config, EngineConfig
-    from voicertc.engine.factory import create_engine
 
     d = _clone(speaking_dir, tmp_path / "m", skip=("campplus.onnx",))
     engine = create_engine(Config(engine=EngineConfig(backend="cosyvoice2", model_dir=str(d), voices_dir="")))

@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from voicertc.backends.cosyvoice2.fade import fade_in_out, hamming_window
-from voicertc.backends.cosyvoice2.hift import HiftConfig, HiFTGenerator
-from voicertc.backends.cosyvoice2.hift_source import SourceDraws, harmonic_excitation
-from voicertc.backends.cosyvoice2.hift_stream import hift_stream_step, init_hift_stream_state
-from voicertc.backends.cosyvoice2.hift_weights import load_hift_file, load_hift_state_dict
-from voicertc.backends.cosyvoice2.yaml_config import load_yaml
+from voicertc.backends.cosyvoice.hift.generator import HiftConfig, HiFTGenerator
+from voicertc.backends.cosyvoice.hift.overlap_add import fade_in_out, hamming_window
+from voicertc.backends.cosyvoice.hift.source import SourceDraws, harmonic_excitation
+from voicertc.backends.cosyvoice.hift.stream import hift_stream_step, init_hift_stream_state
+from voicertc.backends.cosyvoice.hift.weights import load_hift_file, load_hift_state_dict
+from voicertc.backends.cosyvoice.load.yaml_config import load_yaml
 from voicertc.errors import ModelDirError
 
 torch.set_num_threads(2)

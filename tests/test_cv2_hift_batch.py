@@ -10,11 +10,11 @@ import copy
 import pytest
 import torch
 
-from voicertc.backends.cosyvoice2.hift import HiftConfig, HiFTGenerator
-from voicertc.backends.cosyvoice2.hift_batch import hift_stream_step_batch, vocoder_frames
-from voicertc.backends.cosyvoice2.hift_stream import hift_stream_step, init_hift_stream_state
-from voicertc.backends.cosyvoice2.hift_weights import load_hift_file
-from voicertc.backends.cosyvoice2.yaml_config import load_yaml
+from voicertc.backends.cosyvoice.hift.batch import hift_stream_step_batch, vocoder_frames
+from voicertc.backends.cosyvoice.hift.generator import HiftConfig, HiFTGenerator
+from voicertc.backends.cosyvoice.hift.stream import hift_stream_step, init_hift_stream_state
+from voicertc.backends.cosyvoice.hift.weights import load_hift_file
+from voicertc.backends.cosyvoice.load.yaml_config import load_yaml
 
 torch.set_num_threads(2)
 TOL = {torch.float64: {"rtol": 0.0, "atol": 1e-9}, torch.float32: {"rtol": 0.0, "atol": 2e-3}}

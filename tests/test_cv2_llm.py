@@ -9,15 +9,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from voicertc.backends.cosyvoice2.llm import (
+from voicertc.backends.cosyvoice.llm.qwen2lm import (
     EOS_ID,
     LlmConfig,
     build_llm,
     check_state_dict,
     load_llm_state_dict,
 )
-from voicertc.backends.cosyvoice2.sampling import SamplingParams, nucleus_size
-from voicertc.backends.cosyvoice2.yaml_config import load_yaml
+from voicertc.backends.cosyvoice.llm.sampling import SamplingParams, nucleus_size
+from voicertc.backends.cosyvoice.load.yaml_config import load_yaml
 from voicertc.errors import ModelDirError
 
 torch.set_num_threads(2)
@@ -203,7 +203,7 @@ def test_full_size_manifest_loads_strictly(golden_dir, tmp_path):
     manifest = json.loads((golden_dir / "cv2_llm_manifest.json").read_text())
     meta_sd = {m["name"]: torch.empty(m["shape"], device="meta") for m in manifest}
     with torch.device("meta"):
-        from voicertc.backends.cosyvoice2.llm import Qwen2LM
+        from voicertc.backends.cosyvoice.llm.qwen2lm import Qwen2LM
 
         check_state_dict(Qwen2LM(cfg), meta_sd, "llm.pt")
     recipe = {"base_seed": 1, "tied": {"llm.model.lm_head.weight": "llm.model.model.embed_tokens.weight"}}

@@ -13,10 +13,11 @@ import sys
 import pytest
 import torch
 
-from voicertc.backends.cosyvoice2.bistream import BistreamSession
-from voicertc.backends.cosyvoice2.llm import LlmConfig, build_llm
-from voicertc.backends.cosyvoice2.llm_batch import SlotKV, decode_batch
-from voicertc.backends.cosyvoice2.yaml_config import load_yaml
+from voicertc.backends.cosyvoice.llm.batch import decode_batch
+from voicertc.backends.cosyvoice.llm.bistream import BistreamSession
+from voicertc.backends.cosyvoice.llm.kv import SlotKV
+from voicertc.backends.cosyvoice.llm.qwen2lm import LlmConfig, build_llm
+from voicertc.backends.cosyvoice.load.yaml_config import load_yaml
 
 torch.set_num_threads(2)
 

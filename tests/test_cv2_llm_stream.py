@@ -17,9 +17,9 @@ import torch
 from cv2_engine_helpers import GOLDEN_VOICE, build_speaking_model_dir, golden_voice, load_speaking_model
 from engine_helpers import EventLog, RecordingSink
 
-from voicertc.backends.cosyvoice2.engine_backend import BackendOptions, CosyVoice2Backend
-from voicertc.backends.cosyvoice2.llm_stream import ThreadedSpeechLlm
-from voicertc.backends.cosyvoice2.token2wav import Token2WavStream
+from voicertc.backends.cosyvoice.llm.streamer import ThreadedSpeechLlm
+from voicertc.backends.cosyvoice.serve.backend import BackendOptions, CosyVoice2Backend
+from voicertc.backends.cosyvoice.serve.token2wav import Token2WavStream
 from voicertc.engine import Cancelled, Done, Failed, FirstAudio
 from voicertc.engine.worker import EngineWorker
 

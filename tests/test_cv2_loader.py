@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from voicertc.backends.cosyvoice2.flow import CausalFlow
-from voicertc.backends.cosyvoice2.hift import HiFTGenerator
-from voicertc.backends.cosyvoice2.llm import Qwen2LM
-from voicertc.backends.cosyvoice2.loader import CosyVoice2Model, load
+from voicertc.backends.cosyvoice.flow.flow import CausalFlow
+from voicertc.backends.cosyvoice.hift.generator import HiFTGenerator
+from voicertc.backends.cosyvoice.llm.qwen2lm import Qwen2LM
+from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model, load
 from voicertc.errors import ModelDirError
 
 torch.set_num_threads(2)

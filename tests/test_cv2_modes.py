@@ -13,8 +13,8 @@ from cv2_engine_helpers import SFT_VOICE, build_speaking_model_dir, load_speakin
 from engine_helpers import EventLog, RecordingSink
 from safetensors.torch import load_file
 
-from voicertc.backends.cosyvoice2.modes import instruct_text, llm_prompt, lm_input_segments
-from voicertc.backends.cosyvoice2.text import ENDOFPROMPT, V2_SPECIAL_TOKENS
+from voicertc.backends.cosyvoice.serve.modes import instruct_text, llm_prompt, lm_input_segments
+from voicertc.backends.cosyvoice.voice.text import ENDOFPROMPT, V2_SPECIAL_TOKENS
 from voicertc.engine.protocol import Done, SpeakOptions
 from voicertc.engine.worker import EngineWorker
 from voicertc.errors import InputError

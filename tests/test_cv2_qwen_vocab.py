@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench.qwen_tokenizer_files import QWEN_BASE_SPECIALS, tiktoken_encoding, write_real_tokenizer
-from voicertc.backends.cosyvoice2.text import ENDOFPROMPT_ID, V2_SPECIAL_TOKENS, TextFrontend
+from voicertc.backends.cosyvoice.voice.text import ENDOFPROMPT_ID, V2_SPECIAL_TOKENS, TextFrontend
 
 SAMPLE = [
     "Hello, world! This is a test of the CosyVoice2 text frontend.",

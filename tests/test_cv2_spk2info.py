@@ -11,8 +11,8 @@ import torch
 from cv2_engine_helpers import build_speaking_model_dir
 from safetensors.torch import load_file
 
-from voicertc.backends.cosyvoice2.engine_backend import CosyVoice2Backend
-from voicertc.backends.cosyvoice2.loader import load
+from voicertc.backends.cosyvoice.load.v2 import load
+from voicertc.backends.cosyvoice.serve.backend import CosyVoice2Backend
 from voicertc.errors import InputError, UnknownVoiceError
 
 torch.set_num_threads(2)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from bench.make_full_model_dir import QWEN_BASE_SPECIALS, write_tiny_tokenizer
-from voicertc.backends.cosyvoice2.text import (
+from voicertc.backends.cosyvoice.voice.text import (
     V2_SPECIAL_TOKENS,
     SentenceStream,
     TextFrontend,

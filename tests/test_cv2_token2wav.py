@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
-from voicertc.backends.cosyvoice2.loader import CosyVoice2Model, load
-from voicertc.backends.cosyvoice2.token2wav import Token2WavStream
+from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model, load
+from voicertc.backends.cosyvoice.serve.token2wav import Token2WavStream
 from voicertc.engine import ChunkSchedule
 
 ATOL = 1e-4

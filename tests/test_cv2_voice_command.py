@@ -10,7 +10,7 @@ import soundfile
 import torch
 from cv2_engine_helpers import build_speaking_model_dir, load_speaking_model, make_backend
 
-from voicertc.backends.cosyvoice2.engine_backend import register_voice_command
+from voicertc.backends.cosyvoice.serve.backend import register_voice_command
 from voicertc.config import FakeConfig
 from voicertc.engine.fake import FakeEngine
 from voicertc.engine.worker import EngineWorker

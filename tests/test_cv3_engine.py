@@ -14,10 +14,10 @@ from engine_helpers import EventLog, RecordingSink
 
 from bench.make_tiny_cv3_model_dir import make_tiny_cv3_model_dir
 from bench.make_tiny_model_dir import SFT_VOICE
-from voicertc.backends.cosyvoice2.engine_backend import BackendOptions
+from voicertc.backends.cosyvoice.llm.v3 import ENDOFPROMPT_ID
+from voicertc.backends.cosyvoice.serve.backend import BackendOptions
+from voicertc.backends.cosyvoice.serve.backend_v3 import CosyVoice3Backend, v3_prompt
 from voicertc.backends.cosyvoice3 import load
-from voicertc.backends.cosyvoice3.engine_backend import CosyVoice3Backend, v3_prompt
-from voicertc.backends.cosyvoice3.llm import ENDOFPROMPT_ID
 from voicertc.engine import Done, FirstAudio
 from voicertc.engine.worker import EngineWorker
 
@@ -118,8 +118,8 @@ def test_zero_shot_voice_from_a_recording(model, tmp_path):
 
 
 def test_factory_builds_the_cosyvoice3_engine_from_config(model_dir, tmp_path):
+    from voicertc.assemble import create_engine
     from voicertc.config import Config, EngineConfig
-    from voicertc.engine.factory import create_engine
 
     config = Config(
         engine=EngineConfig(backend="cosyvoice3", model_dir=str(model_dir), voices_dir=str(tmp_path))

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from voicertc.backends.cosyvoice2.flow_cfm import cosine_t_span, fixed_noise
-from voicertc.backends.cosyvoice2.flow_estimator import EstimatorCache
+from voicertc.backends.cosyvoice.flow.cfm import cosine_t_span, fixed_noise
+from voicertc.backends.cosyvoice.flow.unet import EstimatorCache
 
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 
@@ -49,7 +49,7 @@ def test_speaker_projection_lookahead_mu_and_noise(flow, g):
     with torch.inference_mode():
         spks = flow.spk_embed_affine_layer(torch.nn.functional.normalize(g["in_embedding"], dim=1))
         tokens = torch.cat([g["in_prompt_token"], g["in_token"]], dim=1).long()
-        from voicertc.backends.cosyvoice2.flow_encoder import EncoderCache
+        from voicertc.backends.cosyvoice.flow.encoder import EncoderCache
 
         h = flow.lookahead(tokens, None, EncoderCache())
     assert_close(spks, g["nonstream_spks"], **TOL)

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from bench.make_tiny_cv3_model_dir import write_real_layout_tokenizer
-from voicertc.backends.cosyvoice3.features import prompt_mel
-from voicertc.backends.cosyvoice3.text import V3_SPECIAL_TOKENS, TextTokenizerV3, with_endofprompt
+from voicertc.backends.cosyvoice.voice.features_v3 import prompt_mel
+from voicertc.backends.cosyvoice.voice.text_v3 import V3_SPECIAL_TOKENS, TextTokenizerV3, with_endofprompt
 
 
 def test_prompt_mel_matches_the_v3_feat_extractor(golden_dir, cv3_records):

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from voicertc.backends.cosyvoice.hift.causal import HiftStreamState
 from voicertc.backends.cosyvoice3 import load
-from voicertc.backends.cosyvoice3.hift import HiftStreamState
 
 SPEECH = {"atol": 1e-5, "rtol": 0.0}
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from voicertc.backends.cosyvoice3.llm import ENDOFPROMPT_ID, SOS_ID, STOP_IDS, TASK_ID
+from voicertc.backends.cosyvoice.llm.v3 import ENDOFPROMPT_ID, SOS_ID, STOP_IDS, TASK_ID
 
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 

@@ -8,9 +8,9 @@ import threading
 import pytest
 from engine_helpers import EventLog, RecordingSink
 
+from voicertc.assemble import create_engine
 from voicertc.config import Config, EngineConfig, FakeConfig
 from voicertc.engine import Done
-from voicertc.engine.factory import create_engine
 from voicertc.engine.fake import FakeBackend
 from voicertc.engine.pool import EnginePool
 from voicertc.engine.worker import EngineWorker

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from voicertc.backends.cosyvoice2.estimator_graph import GraphLayout, OnnxRuntimeEstimator
-from voicertc.backends.cosyvoice2.flow import CausalFlow, FlowStreamState
-from voicertc.backends.cosyvoice2.hift_onnx import OnnxHift
-from voicertc.backends.cosyvoice2.hift_stream import hift_stream_step, init_hift_stream_state
-from voicertc.export.onnx_export import ESTIMATOR_FILE, load_hift
+from voicertc.backends.cosyvoice.accel.hift_ort import OnnxHift
+from voicertc.backends.cosyvoice.accel.onnx_export import ESTIMATOR_FILE, load_hift
+from voicertc.backends.cosyvoice.flow.flow import CausalFlow, FlowStreamState
+from voicertc.backends.cosyvoice.flow.graph import GraphLayout, OnnxRuntimeEstimator
+from voicertc.backends.cosyvoice.hift.stream import hift_stream_step, init_hift_stream_state
 
 TOL = 1e-4
 LOOKAHEAD, GRID = 3, 25

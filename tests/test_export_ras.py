@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from voicertc.backends.cosyvoice2.sampling import SamplingParams, sample_token
-from voicertc.export.ras_logits import nucleus_mask, ras_logits, repeated_ids
+from voicertc.backends.cosyvoice.llm.sampling import SamplingParams, sample_token
+from voicertc.backends.cosyvoice.llm.vllm.ras import nucleus_mask, ras_logits, repeated_ids
 
 PARAMS = SamplingParams()
 
@@ -86,7 +86,7 @@ class _Direction:
 
 
 def test_ras_rows_follow_vllm_batch_updates():
-    from voicertc.export.ras_logits import RasRows
+    from voicertc.backends.cosyvoice.llm.vllm.ras import RasRows
 
     rows = RasRows()
     out_a, out_b = [1, 2], [3]
@@ -111,7 +111,7 @@ def test_ras_rows_follow_vllm_batch_updates():
 
 
 def test_ras_rows_apply_the_ras_distribution_to_their_rows_only():
-    from voicertc.export.ras_logits import RasRows
+    from voicertc.backends.cosyvoice.llm.vllm.ras import RasRows
 
     rows = RasRows()
     logits = _logits().repeat(2, 1)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from voicertc.backends.cosyvoice2.loader import load_llm
-from voicertc.export.vllm_export import export_vllm, load_exported
+from voicertc.backends.cosyvoice.accel.vllm_export import export_vllm, load_exported
+from voicertc.backends.cosyvoice.load.v2 import load_llm
 
 TOL = 1e-4
 

@@ -14,12 +14,12 @@ from engine_helpers import EventLog, RecordingSink
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
-from voicertc.backends.cosyvoice2.decode_graphs import DecodeGraphs
-from voicertc.backends.cosyvoice2.llm_batch import SlotKV
-from voicertc.backends.cosyvoice2.loader import load, load_llm
+from voicertc.assemble import create_engine
+from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs
+from voicertc.backends.cosyvoice.llm.kv import SlotKV
+from voicertc.backends.cosyvoice.load.v2 import load, load_llm
 from voicertc.config import Config, EngineConfig
 from voicertc.engine import ChunkSchedule, Done, FirstAudio
-from voicertc.engine.factory import create_engine
 
 pytestmark = pytest.mark.gpu
 

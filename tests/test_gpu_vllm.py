@@ -15,9 +15,9 @@ import torch
 pytestmark = pytest.mark.gpu
 vllm = pytest.importorskip("vllm")
 
-from voicertc.backends.cosyvoice2.loader import load_llm  # noqa: E402
-from voicertc.backends.cosyvoice2.vllm_runner import VllmSpeechLlm  # noqa: E402
-from voicertc.export.vllm_export import export_vllm  # noqa: E402
+from voicertc.backends.cosyvoice.accel.vllm_export import export_vllm  # noqa: E402
+from voicertc.backends.cosyvoice.llm.vllm.runner import VllmSpeechLlm  # noqa: E402
+from voicertc.backends.cosyvoice.load.v2 import load_llm  # noqa: E402
 
 
 def test_vllm_streams_speech_tokens(tiny_model_dir, tmp_path):

@@ -15,7 +15,7 @@ from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from call_helpers import fake_config, rms
 from listen_helpers import caller_clip, clip_track, g722_only, wer
 
-from voicertc.engine.factory import create_engine
+from voicertc.assemble import create_engine
 from voicertc.listen.models import load_listen_models
 from voicertc.webrtc import patch_aioice_loopback
 from voicertc.webrtc.call import Call, UnsupportedCodecError

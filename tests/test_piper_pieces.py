@@ -143,8 +143,8 @@ def test_pieces_are_sized_from_max_step_ms_by_a_timed_calibration(monkeypatch):
 
 
 def test_the_config_reaches_the_piper_engine():
+    from voicertc.assemble import create_engine
     from voicertc.config import config_from_dict
-    from voicertc.engine.factory import create_engine
 
     config = config_from_dict(
         {"engine": {"backend": "piper", "piper_piece_phonemes": 50}, "limits": {"max_utterance_s": 30}}

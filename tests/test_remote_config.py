@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from voicertc.assemble import create_engine
 from voicertc.config import Config, load_config
-from voicertc.engine.factory import create_engine
 from voicertc.engine.worker import EngineWorker
 from voicertc.errors import ConfigError
 
@@ -76,7 +76,7 @@ def test_bad_values_name_the_key(tmp_path, text, key):
 
 def test_the_in_process_server_never_imports_ray():
     code = (
-        "import sys; from voicertc.config import Config; from voicertc.engine.factory import create_engine;"
+        "import sys; from voicertc.config import Config; from voicertc.assemble import create_engine;"
         "import signaling.app, signaling.cli; signaling.cli.build_parser(); create_engine(Config());"
         "assert 'ray' not in sys.modules, 'ray imported'"
     )

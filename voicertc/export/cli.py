@@ -40,11 +40,11 @@ def run(args: argparse.Namespace) -> int:
 
             return run_doctor(args.model_dir, run_tests=not args.skip_tests, runs=args.runs, quick=args.quick)
         if args.export_kind == "vllm":
-            from voicertc.export.vllm_export import export_vllm
+            from voicertc.backends.cosyvoice.accel.vllm_export import export_vllm
 
             print(export_vllm(args.model_dir, args.out, dtype=args.dtype))
             return 0
-        from voicertc.export.onnx_export import export_onnx
+        from voicertc.backends.cosyvoice.accel.onnx_export import export_onnx
 
         for path in export_onnx(args.model_dir, args.out, opset=args.opset):
             print(path)

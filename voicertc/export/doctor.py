@@ -80,8 +80,8 @@ def _guard(name: str, fn: Callable[[], Check]) -> Check:
 def check_vllm_export(model_dir: Path, work: Path) -> Check:
     import torch
 
-    from voicertc.backends.cosyvoice2.loader import load_llm
-    from voicertc.export.vllm_export import export_vllm, load_exported
+    from voicertc.backends.cosyvoice.accel.vllm_export import export_vllm, load_exported
+    from voicertc.backends.cosyvoice.load.v2 import load_llm
 
     out = export_vllm(model_dir, work / "vllm")
     llm = load_llm(model_dir)
@@ -95,10 +95,10 @@ def check_vllm_export(model_dir: Path, work: Path) -> Check:
 
 
 def check_onnx_estimator(model_dir: Path, onnx_dir: Path) -> Check:
-    from voicertc.backends.cosyvoice2.estimator_graph import GraphLayout, OnnxRuntimeEstimator
-    from voicertc.backends.cosyvoice2.flow import CausalFlow
+    from voicertc.backends.cosyvoice.accel.onnx_export import ESTIMATOR_FILE, export_onnx
+    from voicertc.backends.cosyvoice.flow.flow import CausalFlow
+    from voicertc.backends.cosyvoice.flow.graph import GraphLayout, OnnxRuntimeEstimator
     from voicertc.export.measure import flow_inputs, flow_stream
-    from voicertc.export.onnx_export import ESTIMATOR_FILE, export_onnx
 
     export_onnx(model_dir, onnx_dir)
     flow = CausalFlow.from_model_dir(model_dir).eval()
@@ -116,9 +116,9 @@ def check_onnx_estimator(model_dir: Path, onnx_dir: Path) -> Check:
 def check_onnx_hift(model_dir: Path, onnx_dir: Path) -> Check:
     import torch
 
-    from voicertc.backends.cosyvoice2.hift_onnx import OnnxHift
-    from voicertc.backends.cosyvoice2.hift_stream import hift_stream_step, init_hift_stream_state
-    from voicertc.export.onnx_export import load_hift
+    from voicertc.backends.cosyvoice.accel.hift_ort import OnnxHift
+    from voicertc.backends.cosyvoice.accel.onnx_export import load_hift
+    from voicertc.backends.cosyvoice.hift.stream import hift_stream_step, init_hift_stream_state
 
     hift = load_hift(model_dir)
     onnx_hift = OnnxHift(onnx_dir, hift)

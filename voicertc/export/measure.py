@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from voicertc.backends.cosyvoice2.decode_graphs import DecodeGraphs
-from voicertc.backends.cosyvoice2.flow import CausalFlow
-from voicertc.backends.cosyvoice2.llm import Qwen2LM
-from voicertc.backends.cosyvoice2.llm_batch import SlotKV
+from voicertc.backends.cosyvoice.flow.flow import CausalFlow
+from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs
+from voicertc.backends.cosyvoice.llm.kv import SlotKV
+from voicertc.backends.cosyvoice.llm.qwen2lm import Qwen2LM
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ def measure_paths(
     device: str = "cpu",
 ) -> list[PathResult]:
     """Measure every path of `paths` on `model_dir` (export the ONNX estimator into `onnx_dir` if needed)."""
-    from voicertc.backends.cosyvoice2.loader import load_llm
+    from voicertc.backends.cosyvoice.load.v2 import load_llm
 
     work = work or Workload()
     llm32 = load_llm(model_dir, device)
@@ -219,7 +219,7 @@ class Variant:
 def _variant(
     path: str, model_dir: str | Path, onnx_dir: str | Path | None, llm32: Qwen2LM, flow32: CausalFlow
 ) -> Variant:
-    from voicertc.backends.cosyvoice2.loader import load_llm
+    from voicertc.backends.cosyvoice.load.v2 import load_llm
 
     device = llm32.llm_decoder.weight.device
     if path == "eager fp32":
@@ -238,7 +238,7 @@ def _variant(
         pool = SlotKV(llm.llm.model.model, slots=2, capacity=512)
         return Variant(llm, flow, DecodeGraphs(pool, llm.llm_decoder, max_rows=1))
     if path == "compile":
-        from voicertc.backends.cosyvoice2.flow_estimator import FeedForward
+        from voicertc.backends.cosyvoice.flow.unet import FeedForward
 
         llm, flow = load_llm(model_dir, device), CausalFlow.from_model_dir(model_dir).to(device).eval()
         leaves = [layer.mlp for layer in llm.llm.model.model.layers]
@@ -247,8 +247,8 @@ def _variant(
             module.compile(dynamic=True)
         return Variant(llm, flow)
     if path == "onnx":
-        from voicertc.backends.cosyvoice2.estimator_graph import GraphLayout, OnnxRuntimeEstimator
-        from voicertc.export.onnx_export import ESTIMATOR_FILE, export_onnx
+        from voicertc.backends.cosyvoice.accel.onnx_export import ESTIMATOR_FILE, export_onnx
+        from voicertc.backends.cosyvoice.flow.graph import GraphLayout, OnnxRuntimeEstimator
 
         if device.type != "cpu":
             raise ValueError("the onnx path runs ONNX Runtime's CPU provider (tensorrt is the CUDA path)")

@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from voicertc import __version__
+from voicertc.assemble import create_engine
 from voicertc.config import Config, config_from_dict, load_config
-from voicertc.engine.factory import create_engine
 from voicertc.engine.protocol import Cancelled, Done, EngineEvent, Failed, FirstAudio, SpeakOptions
 from voicertc.errors import VoiceRTCError
 from voicertc.remote.wire import DEPLOYMENT_NAME, PROTOCOL, ROUTER_CLASS, Message, pcm_message

@@ -1,4 +1,4 @@
-"""CosyVoice2-compatible backend: loader, LLM, flow, HiFT and frontends for the official model directory.
+"""CosyVoice2 public names (kept for compatibility): the code lives in `voicertc.backends.cosyvoice`.
 
 The public names are re-exported lazily (PEP 562), so importing a light submodule such as
 `yaml_config` does not pull in torch and transformers.
@@ -10,25 +10,25 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "load": "loader",
-    "CosyVoice2Model": "loader",
-    "Qwen2LM": "llm",
-    "LlmConfig": "llm",
-    "LlmSession": "llm",
-    "PrefixCache": "llm",
-    "build_llm": "llm",
-    "load_llm_state_dict": "llm",
-    "EOS_ID": "llm",
-    "FILL_ID": "llm",
-    "STOP_IDS": "llm",
-    "SPEECH_TOKEN_SIZE": "llm",
-    "SamplingParams": "sampling",
-    "BistreamSession": "bistream",
-    "TextFrontend": "text",
-    "TextTokenizer": "text",
-    "SentenceStream": "text",
-    "split_paragraph": "text",
-    "text_normalize": "text",
+    "load": "load.v2",
+    "CosyVoice2Model": "load.v2",
+    "Qwen2LM": "llm.qwen2lm",
+    "LlmConfig": "llm.qwen2lm",
+    "LlmSession": "llm.qwen2lm",
+    "PrefixCache": "llm.qwen2lm",
+    "build_llm": "llm.qwen2lm",
+    "load_llm_state_dict": "llm.qwen2lm",
+    "EOS_ID": "llm.qwen2lm",
+    "FILL_ID": "llm.qwen2lm",
+    "STOP_IDS": "llm.qwen2lm",
+    "SPEECH_TOKEN_SIZE": "llm.qwen2lm",
+    "SamplingParams": "llm.sampling",
+    "BistreamSession": "llm.bistream",
+    "TextFrontend": "voice.text",
+    "TextTokenizer": "voice.text",
+    "SentenceStream": "voice.text",
+    "split_paragraph": "voice.text",
+    "text_normalize": "voice.text",
 }
 
 __all__ = [
@@ -54,8 +54,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from voicertc.backends.cosyvoice2.bistream import BistreamSession
-    from voicertc.backends.cosyvoice2.llm import (
+    from voicertc.backends.cosyvoice.llm.bistream import BistreamSession
+    from voicertc.backends.cosyvoice.llm.qwen2lm import (
         EOS_ID,
         FILL_ID,
         SPEECH_TOKEN_SIZE,
@@ -67,9 +67,9 @@ if TYPE_CHECKING:
         build_llm,
         load_llm_state_dict,
     )
-    from voicertc.backends.cosyvoice2.loader import CosyVoice2Model, load
-    from voicertc.backends.cosyvoice2.sampling import SamplingParams
-    from voicertc.backends.cosyvoice2.text import (
+    from voicertc.backends.cosyvoice.llm.sampling import SamplingParams
+    from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model, load
+    from voicertc.backends.cosyvoice.voice.text import (
         SentenceStream,
         TextFrontend,
         TextTokenizer,
@@ -82,4 +82,4 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    return getattr(importlib.import_module(f"voicertc.backends.cosyvoice.{module}"), name)

@@ -1,9 +1,4 @@
-"""CosyVoice3 (Fun-CosyVoice3-0.5B) backend: loader, DiT flow, causal HiFT, CosyVoice3LM, frontends.
-
-What CosyVoice3 shares with CosyVoice2 (CFM solver, chunk masks, K/V caches, schedule, sampling, voices,
-token2wav scheduling) is imported from `voicertc.backends.cosyvoice2`; what differs lives here. The
-public names are re-exported lazily (PEP 562), so importing a light submodule does not pull in torch.
-"""
+"""CosyVoice3 public names (kept for compatibility): the code lives in `voicertc.backends.cosyvoice`."""
 
 from __future__ import annotations
 
@@ -11,12 +6,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "load": "loader",
-    "CosyVoice3Model": "loader",
-    "CosyVoice3LM": "llm",
-    "CausalFlowV3": "flow",
-    "CausalHiFTGenerator": "hift",
-    "Token2WavStreamV3": "token2wav",
+    "load": "load.v3",
+    "CosyVoice3Model": "load.v3",
+    "CosyVoice3LM": "llm.v3",
+    "CausalFlowV3": "flow.flow_v3",
+    "CausalHiFTGenerator": "hift.causal",
+    "Token2WavStreamV3": "serve.token2wav_v3",
 }
 
 __all__ = [
@@ -29,15 +24,15 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from voicertc.backends.cosyvoice3.flow import CausalFlowV3
-    from voicertc.backends.cosyvoice3.hift import CausalHiFTGenerator
-    from voicertc.backends.cosyvoice3.llm import CosyVoice3LM
-    from voicertc.backends.cosyvoice3.loader import CosyVoice3Model, load
-    from voicertc.backends.cosyvoice3.token2wav import Token2WavStreamV3
+    from voicertc.backends.cosyvoice.flow.flow_v3 import CausalFlowV3
+    from voicertc.backends.cosyvoice.hift.causal import CausalHiFTGenerator
+    from voicertc.backends.cosyvoice.llm.v3 import CosyVoice3LM
+    from voicertc.backends.cosyvoice.load.v3 import CosyVoice3Model, load
+    from voicertc.backends.cosyvoice.serve.token2wav_v3 import Token2WavStreamV3
 
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    return getattr(importlib.import_module(f"voicertc.backends.cosyvoice.{module}"), name)

@@ -1,0 +1,259 @@
+"""The CosyVoice3 CFM velocity estimator (`DiT`), chunk-incremental like CosyVoice2's UNet.
+
+Input [x, cond, mu, speaker] (4 x 80) -> linear -> causal conv position embedding (two grouped k=31
+convs, left padded) -> AdaLN-zero transformer blocks (rotary on the first head, 50-frame chunk mask
+anchored at the prompt start) -> AdaLN final norm -> linear to 80 mel bins. The convs only look left
+and attention is chunk-causal, so new frames need only the `EstimatorCache` of earlier chunks (each
+conv's last 30 input frames, each block's keys/values), exactly as for CosyVoice2 (`RowBatch`).
+
+Rotary: positions are absolute frame indices of the utterance (prompt included); the stored
+`rotary_embed.inv_freq` buffer is part of `flow.pt` and used as loaded.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from voicertc.backends.cosyvoice.flow.config_v3 import (
+    CONV_POS_GROUPS,
+    CONV_POS_KERNEL,
+    TIME_FREQ_DIM,
+    DitConfig,
+)
+from voicertc.backends.cosyvoice.flow.unet import EstimatorCache, RowBatch
+
+_LN_EPS = 1e-6
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    # pairs (x0, x1) -> (-x1, x0) over the last dim (interleaved rotary)
+    pairs = x.unflatten(-1, (-1, 2))
+    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the first `cos.shape[-1]` channels of x [B, T, C] (the first head), keep the rest."""
+    rot = cos.shape[-1]
+    head, rest = x[..., :rot], x[..., rot:]
+    return torch.cat((head * cos + _rotate_half(head) * sin, rest), dim=-1)
+
+
+class SinusPositionEmbedding(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, t: Tensor, scale: float = 1000.0) -> Tensor:
+        # t: [B] -> [B, dim]
+        half = self.dim // 2
+        freq = torch.exp(torch.arange(half, device=t.device).float() * -(math.log(10000) / (half - 1)))
+        angle = scale * t.unsqueeze(1) * freq.unsqueeze(0)
+        return torch.cat((angle.sin(), angle.cos()), dim=-1)
+
+
+class TimestepEmbedding(nn.Module):
+    def __init__(self, dim: int, freq_dim: int = TIME_FREQ_DIM) -> None:
+        super().__init__()
+        self.time_embed = SinusPositionEmbedding(freq_dim)
+        self.time_mlp = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+
+    def forward(self, t: Tensor) -> Tensor:
+        return self.time_mlp(self.time_embed(t).to(t.dtype))
+
+
+class _StreamConv(nn.Conv1d):
+    """Grouped conv fed with its cached (kernel-1) previous input frames instead of zero padding."""
+
+    slot = -1
+
+    def forward(self, x: Tensor, batch: RowBatch) -> Tensor:  # type: ignore[override]
+        return super().forward(batch.conv_context(self.slot, x, self.kernel_size[0] - 1))
+
+
+class CausalConvPositionEmbedding(nn.Module):
+    """`conv1.0` / `conv2.0` as in the checkpoint (index 1 is the Mish)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.conv1 = nn.ModuleList([_StreamConv(dim, dim, CONV_POS_KERNEL, groups=CONV_POS_GROUPS)])
+        self.conv2 = nn.ModuleList([_StreamConv(dim, dim, CONV_POS_KERNEL, groups=CONV_POS_GROUPS)])
+
+    def forward(self, x: Tensor, batch: RowBatch) -> Tensor:
+        # x: [B, T, D] -> [B, T, D]
+        h = F.mish(self.conv1[0](x.transpose(1, 2), batch))
+        h = F.mish(self.conv2[0](h, batch))
+        return h.transpose(1, 2)
+
+
+class InputEmbedding(nn.Module):
+    def __init__(self, cfg: DitConfig) -> None:
+        super().__init__()
+        self.proj = nn.Linear(cfg.in_dim, cfg.dim)
+        self.conv_pos_embed = CausalConvPositionEmbedding(cfg.dim)
+
+    def forward(self, x: Tensor, cond: Tensor, mu: Tensor, spks: Tensor, batch: RowBatch) -> Tensor:
+        # x, cond, mu: [B, T, 80], spks: [B, 80] -> [B, T, D]
+        spks = spks.unsqueeze(1).expand(-1, x.shape[1], -1)
+        h = self.proj(torch.cat([x, cond, mu, spks], dim=-1))
+        return self.conv_pos_embed(h, batch) + h
+
+
+class AdaLayerNormZero(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, 6 * dim)
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=_LN_EPS)
+
+    def forward(self, x: Tensor, emb: Tensor) -> tuple[Tensor, ...]:
+        shift, scale, gate, shift_ff, scale_ff, gate_ff = self.linear(F.silu(emb)).chunk(6, dim=1)
+        return self.norm(x) * (1 + scale[:, None]) + shift[:, None], gate, shift_ff, scale_ff, gate_ff
+
+
+class AdaLayerNormZeroFinal(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, 2 * dim)
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=_LN_EPS)
+
+    def forward(self, x: Tensor, emb: Tensor) -> Tensor:
+        scale, shift = self.linear(F.silu(emb)).chunk(2, dim=1)
+        return self.norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
+
+
+class DiTAttention(nn.Module):
+    """q/k/v/out with bias; rotary on q and k before the head split (only the first head turns)."""
+
+    slot = -1
+
+    def __init__(self, dim: int, heads: int, dim_head: int) -> None:
+        super().__init__()
+        self.heads, self.dim_head = heads, dim_head
+        inner = heads * dim_head
+        self.to_q = nn.Linear(dim, inner)
+        self.to_k = nn.Linear(dim, inner)
+        self.to_v = nn.Linear(dim, inner)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Dropout(0.0)])
+
+    def _split(self, x: Tensor) -> Tensor:
+        return x.view(x.shape[0], x.shape[1], self.heads, self.dim_head).transpose(1, 2)
+
+    def forward(self, x: Tensor, batch: RowBatch, rope: tuple[Tensor, Tensor]) -> Tensor:
+        # x: [B, T, D] -> [B, T, D]
+        cos, sin = rope
+        q = self._split(apply_rotary(self.to_q(x), cos, sin))
+        k = self._split(apply_rotary(self.to_k(x), cos, sin))
+        out = batch.attend(self.slot, q, k, self._split(self.to_v(x)))
+        return self.to_out[0](out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+
+
+class FeedForward(nn.Module):
+    """`ff.0.0` linear + GELU(tanh), `ff.2` linear (checkpoint names)."""
+
+    def __init__(self, dim: int, mult: int) -> None:
+        super().__init__()
+        inner = dim * mult
+        self.ff = nn.Sequential(
+            nn.Sequential(nn.Linear(dim, inner), nn.GELU(approximate="tanh")),
+            nn.Dropout(0.0),
+            nn.Linear(inner, dim),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.ff(x)
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, cfg: DitConfig) -> None:
+        super().__init__()
+        self.attn_norm = AdaLayerNormZero(cfg.dim)
+        self.attn = DiTAttention(cfg.dim, cfg.heads, cfg.dim_head)
+        self.ff_norm = nn.LayerNorm(cfg.dim, elementwise_affine=False, eps=_LN_EPS)
+        self.ff = FeedForward(cfg.dim, cfg.ff_mult)
+
+    def forward(self, x: Tensor, t_emb: Tensor, batch: RowBatch, rope: tuple[Tensor, Tensor]) -> Tensor:
+        norm, gate, shift_ff, scale_ff, gate_ff = self.attn_norm(x, t_emb)
+        x = x + gate.unsqueeze(1) * self.attn(norm, batch, rope)
+        norm = self.ff_norm(x) * (1 + scale_ff[:, None]) + shift_ff[:, None]
+        return x + gate_ff.unsqueeze(1) * self.ff(norm)
+
+
+class RotaryEmbedding(nn.Module):
+    """x-transformers' RotaryEmbedding: only the (checkpointed) `inv_freq` buffer."""
+
+    inv_freq: Tensor  # registered buffer
+
+    def __init__(self, dim_head: int) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, dim_head, 2).float() / dim_head))
+        self.register_buffer("inv_freq", inv_freq)
+
+    def cos_sin(self, start: int, frames: int) -> tuple[Tensor, Tensor]:
+        # -> cos, sin: [T, dim_head] for absolute positions start..start+frames-1 (pairs interleaved)
+        positions = torch.arange(start, start + frames, device=self.inv_freq.device).to(self.inv_freq.dtype)
+        freqs = positions[:, None] * self.inv_freq[None, :]
+        freqs = torch.stack((freqs, freqs), dim=-1).flatten(-2)
+        return freqs.cos(), freqs.sin()
+
+
+class DiT(nn.Module):
+    """Velocity v(x, t | mu, speaker, cond) for new frames, given the caches of earlier frames.
+
+    Same call signature as CosyVoice2's `CausalConditionalDecoder`, so `CausalConditionalCFM` runs it."""
+
+    def __init__(self, cfg: DitConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.chunk_frames = cfg.static_chunk_size_frames
+        self.time_embed = TimestepEmbedding(cfg.dim)
+        self.input_embed = InputEmbedding(cfg)
+        self.rotary_embed = RotaryEmbedding(cfg.dim_head)
+        self.transformer_blocks = nn.ModuleList(DiTBlock(cfg) for _ in range(cfg.depth))
+        self.norm_out = AdaLayerNormZeroFinal(cfg.dim)
+        self.proj_out = nn.Linear(cfg.dim, cfg.mel_dim)
+        conv_slot = attn_slot = 0
+        for module in self.modules():
+            if isinstance(module, _StreamConv):
+                module.slot, conv_slot = conv_slot, conv_slot + 1
+            elif isinstance(module, DiTAttention):
+                module.slot, attn_slot = attn_slot, attn_slot + 1
+
+    def _rope(
+        self, caches: list[EstimatorCache], rows: int, frames: int, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor]:
+        # -> cos, sin: [1 or B, T, dim_head], each row group at its own absolute start frame
+        starts = [c.frames for c in caches]
+        if len(set(starts)) == 1:
+            cos, sin = self.rotary_embed.cos_sin(starts[0], frames)
+            return cos[None].to(dtype), sin[None].to(dtype)
+        parts = [self.rotary_embed.cos_sin(s, frames) for s in starts]
+        cos = torch.stack([p[0] for p in parts]).repeat_interleave(rows, dim=0)
+        sin = torch.stack([p[1] for p in parts]).repeat_interleave(rows, dim=0)
+        return cos.to(dtype), sin.to(dtype)
+
+    def forward(
+        self,
+        x: Tensor,
+        mu: Tensor,
+        t: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        caches: list[EstimatorCache],
+        chunk_masks: bool,
+    ) -> Tensor:
+        # x, mu, cond: [B, 80, T] new frames; t: [B]; spks: [B, 80]; B = len(caches) * rows -> [B, 80, T]
+        frames = x.shape[2]
+        rows = x.shape[0] // len(caches)
+        batch = RowBatch(caches, rows, self.chunk_frames if chunk_masks else None)
+        t_emb = self.time_embed(t)
+        h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks, batch)
+        rope = self._rope(caches, rows, frames, h.dtype)
+        for block in self.transformer_blocks:
+            h = block(h, t_emb, batch, rope)
+        out = self.proj_out(self.norm_out(h, t_emb)).transpose(1, 2)
+        for cache in caches:
+            cache.frames += frames
+        return out

@@ -1,0 +1,196 @@
+"""The streaming flow estimator as a graph with explicit caches (ONNX Runtime / TensorRT runners).
+
+The graph (`voicertc export onnx`, `accel.flow_onnx_export`) computes the velocity of a chunk's new
+frames from tensors only:
+
+    inputs   x, mu, cond [B, 80, T]; t [B]; spks [B, 80]
+             conv_cache [B, C_sum, 2]            every causal conv's last 2 input frames, by slot
+             kv_cache   [A, 2, B, H, L, Dh]      every attention's cached keys / values, by slot
+             attn_bias  [B, 1, T, L + T]         0 = visible, MASK_BIAS = hidden
+    outputs  velocity [B, 80, T]; conv_cache_out [B, C_sum, 2]; kv_new [A, 2, B, H, T, Dh]
+
+B covers the CFG rows of several utterances at one Euler step (2 per utterance); their caches may hold
+different numbers of frames, so L is the longest, the shorter ones padded and hidden by `attn_bias`
+(which also carries the 50-frame chunk mask at each group's absolute position). `GraphEstimator` packs
+our `EstimatorCache`s into these inputs and writes the outputs back, so a runner is a drop-in for the
+eager `CausalConditionalDecoder` inside the CFM sampler: voices, forks and clones work unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from voicertc.backends.cosyvoice.flow.unet import (
+    Attention,
+    CausalConditionalDecoder,
+    CausalConv1d,
+    EstimatorCache,
+)
+
+logger = logging.getLogger(__name__)
+
+MASK_BIAS = -1.0e4  # finite (fp16-safe: no -inf - -inf = NaN); exp(-1e4) is 0 in fp32 and fp16
+INPUT_NAMES = ("x", "mu", "t", "spks", "cond", "conv_cache", "kv_cache", "attn_bias")
+OUTPUT_NAMES = ("velocity", "conv_cache_out", "kv_new")
+
+
+@dataclass(frozen=True)
+class GraphLayout:
+    """Where each cache lives in the packed tensors: conv slot -> (channel offset, channels)."""
+
+    conv_slots: tuple[tuple[int, int], ...]
+    attention_slots: int
+    heads: int
+    head_dim: int
+    chunk_frames: int
+    conv_width: int = 2
+
+    @property
+    def conv_channels(self) -> int:
+        return sum(c for _, c in self.conv_slots)
+
+    @staticmethod
+    def of(estimator: nn.Module) -> GraphLayout:
+        if not isinstance(estimator, CausalConditionalDecoder):
+            raise ValueError(f"the graph layout covers CosyVoice2's UNet, not {type(estimator).__name__}")
+        convs = sorted((m.slot, m) for m in estimator.modules() if isinstance(m, CausalConv1d))
+        attns = [m for m in estimator.modules() if isinstance(m, Attention)]
+        widths = {m.kernel_size[0] - 1 for _, m in convs}
+        if widths != {2}:
+            raise ValueError(f"the graph layout assumes kernel-3 causal convs, found widths {widths}")
+        slots, offset = [], 0
+        for _, conv in convs:
+            slots.append((offset, conv.in_channels))
+            offset += conv.in_channels
+        return GraphLayout(
+            conv_slots=tuple(slots),
+            attention_slots=len(attns),
+            heads=attns[0].heads,
+            head_dim=attns[0].head_dim,
+            chunk_frames=estimator.chunk_frames,
+        )
+
+
+def attention_bias(
+    starts: list[int], rows: int, frames: int, padded: int, chunk: int | None, dtype: torch.dtype
+) -> Tensor:
+    """[B, 1, T, padded + T]: group g's first `starts[g]` cached keys are real, the rest padding;
+    query i (absolute starts[g] + i) sees key at absolute j iff j < (abs_i // chunk + 1) * chunk."""
+    biases = []
+    for start in starts:
+        key_abs = torch.cat([torch.arange(padded), start + torch.arange(frames)])
+        real = torch.cat([torch.arange(padded) < start, torch.ones(frames, dtype=torch.bool)])
+        visible = real[None, :].expand(frames, -1)
+        if chunk is not None:
+            query_abs = start + torch.arange(frames)
+            limit = (torch.div(query_abs, chunk, rounding_mode="floor") + 1) * chunk
+            visible = visible & (key_abs[None, :] < limit[:, None])
+        bias = torch.zeros(frames, padded + frames, dtype=dtype).masked_fill(~visible, MASK_BIAS)
+        biases.append(bias[None, None].expand(rows, 1, -1, -1))
+    return torch.cat(biases, dim=0)
+
+
+def _group_keys(cache: EstimatorCache, slot: int) -> tuple[Tensor, Tensor] | None:
+    kv = cache.attention.get(slot)
+    if kv is None or kv.frames == 0:
+        return None
+    keys = [] if kv.prefix_keys is None else [kv.prefix_keys]
+    values = [] if kv.prefix_values is None else [kv.prefix_values]
+    if kv.length and kv.keys is not None and kv.values is not None:
+        keys.append(kv.keys[:, :, : kv.length])
+        values.append(kv.values[:, :, : kv.length])
+    return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+
+
+def pack_caches(
+    caches: list[EstimatorCache], rows: int, frames: int, layout: GraphLayout, chunk_masks: bool, like: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(conv_cache, kv_cache, attn_bias) for the row groups `caches` (each `rows` rows)."""
+    batch = rows * len(caches)
+    conv = like.new_zeros(batch, layout.conv_channels, layout.conv_width)
+    for g, cache in enumerate(caches):
+        for slot, (offset, channels) in enumerate(layout.conv_slots):
+            tail = cache.conv_tails.get(slot)
+            if tail is not None:
+                conv[g * rows : (g + 1) * rows, offset : offset + channels] = tail
+    starts = [cache.frames for cache in caches]
+    padded = max(1, *starts)  # at least one (hidden) key: no zero-sized graph inputs
+    kv = like.new_zeros(layout.attention_slots, 2, batch, layout.heads, padded, layout.head_dim)
+    for g, cache in enumerate(caches):
+        for slot in range(layout.attention_slots):
+            got = _group_keys(cache, slot)
+            if got is not None:
+                n = got[0].shape[2]
+                kv[slot, 0, g * rows : (g + 1) * rows, :, :n] = got[0]
+                kv[slot, 1, g * rows : (g + 1) * rows, :, :n] = got[1]
+    chunk = layout.chunk_frames if chunk_masks else None
+    bias = attention_bias(starts, rows, frames, padded, chunk, like.dtype).to(like.device)
+    return conv, kv, bias
+
+
+def unpack_caches(
+    caches: list[EstimatorCache], rows: int, layout: GraphLayout, conv_out: Tensor, kv_new: Tensor
+) -> None:
+    """Write a call's new conv tails and keys/values back into each group's cache."""
+    frames = kv_new.shape[4]
+    for g, cache in enumerate(caches):
+        group = slice(g * rows, (g + 1) * rows)
+        for slot, (offset, channels) in enumerate(layout.conv_slots):
+            cache.conv_tails[slot] = conv_out[group, offset : offset + channels]
+        for slot in range(layout.attention_slots):
+            cache.kv(slot).append(kv_new[slot, 0, group], kv_new[slot, 1, group])
+        cache.frames += frames
+
+
+class GraphEstimator:
+    """Drop-in for `CausalConditionalDecoder.forward` running the exported graph; `run` is the runtime."""
+
+    def __init__(self, layout: GraphLayout) -> None:
+        self.layout = layout
+
+    def run(self, inputs: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        raise NotImplementedError
+
+    def __call__(
+        self,
+        x: Tensor,
+        mu: Tensor,
+        t: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        caches: list[EstimatorCache],
+        chunk_masks: bool,
+    ) -> Tensor:
+        rows = x.shape[0] // len(caches)
+        conv, kv, bias = pack_caches(caches, rows, x.shape[2], self.layout, chunk_masks, x)
+        inputs = dict(zip(INPUT_NAMES, (x, mu, t, spks, cond, conv, kv, bias), strict=True))
+        velocity, conv_out, kv_new = self.run(inputs)
+        unpack_caches(caches, rows, self.layout, conv_out.to(x.dtype), kv_new.to(x.dtype))
+        return velocity.to(x.dtype)
+
+
+class OnnxRuntimeEstimator(GraphEstimator):
+    """The exported estimator on ONNX Runtime (CPU by default)."""
+
+    def __init__(self, path: str | Path, layout: GraphLayout, threads: int = 0) -> None:
+        super().__init__(layout)
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # shared CPU: no busy wait
+        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        logger.info("onnxruntime estimator from %s", path)
+
+    def run(self, inputs: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        feeds = {k: np.ascontiguousarray(v.detach().float().cpu().numpy()) for k, v in inputs.items()}
+        velocity, conv_out, kv_new = self.session.run(list(OUTPUT_NAMES), feeds)
+        device = inputs["x"].device
+        return tuple(torch.from_numpy(a).to(device) for a in (velocity, conv_out, kv_new))  # type: ignore[return-value]

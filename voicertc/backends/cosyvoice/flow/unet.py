@@ -1,0 +1,294 @@
+"""The CFM velocity estimator (`CausalConditionalDecoder`), a one-level causal UNet, chunk-incremental.
+
+Input channels [x, mu, speaker, cond] (4 x 80) -> down block (causal resnet + transformer blocks +
+causal conv) -> mid blocks (resnet + transformer blocks) -> up block on [x, skip] -> causal final block
+-> 1x1 projection to 80 mel bins. Causal convs only look left and attention uses the 50-frame chunk
+mask anchored at the prompt start, so new frames need only `EstimatorCache` (each conv's last 2 input
+frames, each attention's keys/values) from earlier chunks.
+
+Batching: rows come in groups (one group = one utterance's CFG pair at one Euler step); every group has
+its own cache and start frame, and all groups run the convs / projections as one batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from voicertc.backends.cosyvoice.flow.config import EstimatorConfig
+from voicertc.backends.cosyvoice.flow.encoder import chunk_attention_mask
+from voicertc.backends.cosyvoice.flow.kv import KVCache, two_segment_sdpa
+
+
+@dataclass
+class EstimatorCache:
+    """Left context of one row group: conv input tails [rows, C, k-1] (replaced, never written in
+    place) and attention K/V caches [rows, heads, frames, head_dim], indexed by the slot numbers
+    assigned at construction."""
+
+    frames: int = 0
+    conv_tails: dict[int, Tensor] = field(default_factory=dict)
+    attention: dict[int, KVCache] = field(default_factory=dict)
+    reserve_frames: int = 0  # first K/V buffer capacity
+
+    def share(self) -> EstimatorCache:
+        """An independent cache with the same context; copies no tensor data, now or when it is first
+        written: the K/V so far become a read-only prefix (see `KVCache.fork`)."""
+        attention = {slot: kv.fork() for slot, kv in self.attention.items()}
+        return EstimatorCache(self.frames, dict(self.conv_tails), attention, self.reserve_frames)
+
+    def kv(self, slot: int) -> KVCache:
+        if slot not in self.attention:
+            self.attention[slot] = KVCache(reserve_frames=self.reserve_frames)
+        return self.attention[slot]
+
+
+class _Batch:
+    """The caches of the row groups of one estimator call, seen as one batch."""
+
+    def __init__(self, caches: list[EstimatorCache], rows_per_group: int, chunk_frames: int | None) -> None:
+        self.caches = caches
+        self.rows = rows_per_group
+        self.chunk_frames = chunk_frames
+        self.masks: dict[int, Tensor | None] = {}
+
+    def conv_context(self, slot: int, x: Tensor, width: int) -> Tensor:
+        """Prepend each group's cached left frames (zeros at the utterance start), keep the new tail."""
+        tails = [c.conv_tails.get(slot) for c in self.caches]
+        if all(t is None for t in tails):
+            left = x.new_zeros(x.shape[0], x.shape[1], width)
+        else:
+            zeros = x.new_zeros(self.rows, x.shape[1], width)
+            left = torch.cat([t if t is not None else zeros for t in tails], dim=0)
+        padded = torch.cat([left, x], dim=2)
+        for group, cache in enumerate(self.caches):
+            cache.conv_tails[slot] = padded[group * self.rows : (group + 1) * self.rows, :, -width:]
+        return padded
+
+    def mask(self, group: int, query_len: int, device: torch.device) -> Tensor | None:
+        start = self.caches[group].frames
+        if start not in self.masks:
+            self.masks[start] = chunk_attention_mask(start, query_len, self.chunk_frames, device)
+        return self.masks[start]
+
+    def attend(self, slot: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # q, k, v: [B, H, Tq, Dh] for the new frames -> [B, H, Tq, Dh] over cached + new keys
+        # (the new keys are written into the group's buffer; attention reads views of it and of a
+        # forked cache's read-only prompt prefix: no copies)
+        outs = []
+        for group, cache in enumerate(self.caches):
+            rows = slice(group * self.rows, (group + 1) * self.rows)
+            kv = cache.kv(slot)
+            keys, values = kv.append(k[rows], v[rows])
+            mask = self.mask(group, q.shape[2], q.device)
+            prefix = kv.prefix()
+            if prefix is None:
+                outs.append(F.scaled_dot_product_attention(q[rows], keys, values, attn_mask=mask))
+                continue
+            outs.append(two_segment_sdpa(q[rows], prefix, keys, values, mask))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+RowBatch = _Batch  # the public name (CosyVoice3's DiT runs on the same row groups and caches)
+
+
+class CausalConv1d(nn.Conv1d):
+    """Conv1d fed with its (kernel-1) previous input frames from the cache instead of zero padding."""
+
+    slot = -1
+
+    def forward(self, x: Tensor, batch: _Batch) -> Tensor:  # type: ignore[override]
+        return super().forward(batch.conv_context(self.slot, x, self.kernel_size[0] - 1))
+
+
+class CausalBlock1D(nn.Module):
+    """Causal conv (k=3) -> LayerNorm over channels -> Mish; `block.0` / `block.2` as in the checkpoint."""
+
+    def __init__(self, dim: int, dim_out: int) -> None:
+        super().__init__()
+        self.block = nn.ModuleList([CausalConv1d(dim, dim_out, 3), nn.Identity(), nn.LayerNorm(dim_out)])
+
+    def forward(self, x: Tensor, batch: _Batch) -> Tensor:
+        h = self.block[0](x, batch)
+        return F.mish(self.block[2](h.transpose(1, 2)).transpose(1, 2))
+
+
+class CausalResnetBlock1D(nn.Module):
+    def __init__(self, dim: int, dim_out: int, time_emb_dim: int) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Mish(), nn.Linear(time_emb_dim, dim_out))
+        self.block1 = CausalBlock1D(dim, dim_out)
+        self.block2 = CausalBlock1D(dim_out, dim_out)
+        self.res_conv = nn.Conv1d(dim, dim_out, 1)
+
+    def forward(self, x: Tensor, time_emb: Tensor, batch: _Batch) -> Tensor:
+        # x: [B, C_in, T], time_emb: [B, E] -> [B, C_out, T]
+        h = self.block1(x, batch) + self.mlp(time_emb).unsqueeze(-1)
+        return self.block2(h, batch) + self.res_conv(x)
+
+
+class Attention(nn.Module):
+    """Self-attention of the diffusers block: q/k/v without bias, out projection with bias."""
+
+    slot = -1
+
+    def __init__(self, dim: int, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        inner = heads * head_dim
+        self.to_q = nn.Linear(dim, inner, bias=False)
+        self.to_k = nn.Linear(dim, inner, bias=False)
+        self.to_v = nn.Linear(dim, inner, bias=False)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Dropout(0.0)])
+
+    def _split(self, x: Tensor) -> Tensor:
+        return x.view(x.shape[0], x.shape[1], self.heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: Tensor, batch: _Batch) -> Tensor:
+        # x: [B, T, C] -> [B, T, C]
+        q, k, v = self._split(self.to_q(x)), self._split(self.to_k(x)), self._split(self.to_v(x))
+        out = batch.attend(self.slot, q, k, v)
+        return self.to_out[0](out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+
+
+class GELUProj(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, hidden)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.gelu(self.proj(x))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, mult: int = 4) -> None:
+        super().__init__()
+        self.net = nn.ModuleList([GELUProj(dim, dim * mult), nn.Dropout(0.0), nn.Linear(dim * mult, dim)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net[2](self.net[0](x))
+
+
+class BasicTransformerBlock(nn.Module):
+    """LN -> self-attention -> residual -> LN -> GELU FFN -> residual (norm1 / norm3 as in Matcha)."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn1 = Attention(dim, heads, head_dim)
+        self.norm3 = nn.LayerNorm(dim)
+        self.ff = FeedForward(dim)
+
+    def forward(self, x: Tensor, batch: _Batch) -> Tensor:
+        x = x + self.attn1(self.norm1(x), batch)
+        return x + self.ff(self.norm3(x))
+
+
+class SinusoidalPosEmb(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, t: Tensor, scale: float = 1000.0) -> Tensor:
+        # t: [B] in [0, 1] -> [B, dim]
+        half = self.dim // 2
+        freq = torch.exp(torch.arange(half, device=t.device).float() * -(math.log(10000) / (half - 1)))
+        angle = scale * t.unsqueeze(1) * freq.unsqueeze(0)
+        return torch.cat([angle.sin(), angle.cos()], dim=-1)
+
+
+class TimestepEmbedding(nn.Module):
+    def __init__(self, in_dim: int, dim: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(in_dim, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+def _stage(dim_in: int, cfg: EstimatorConfig, tail: bool) -> nn.ModuleList:
+    """[resnet, transformer blocks] (+ a causal conv for the down/up stages)."""
+    c = cfg.channels
+    blocks = nn.ModuleList(
+        BasicTransformerBlock(c, cfg.num_heads, cfg.attention_head_dim) for _ in range(cfg.n_blocks)
+    )
+    parts: list[nn.Module] = [CausalResnetBlock1D(dim_in, c, cfg.time_embed_dim), blocks]
+    if tail:
+        parts.append(CausalConv1d(c, c, 3))
+    return nn.ModuleList(parts)
+
+
+def _parts(stage: nn.Module) -> nn.ModuleList:
+    """A `_stage` (or its transformer blocks): nn.ModuleList is not generic, its items type as Module."""
+    return cast(nn.ModuleList, stage)
+
+
+class CausalConditionalDecoder(nn.Module):
+    """Velocity v(x, t | mu, speaker, cond) for new frames, given the caches of earlier frames."""
+
+    def __init__(self, cfg: EstimatorConfig) -> None:
+        super().__init__()
+        c = cfg.channels
+        self.chunk_frames = cfg.static_chunk_size_frames
+        self.time_embeddings = SinusoidalPosEmb(cfg.in_channels)
+        self.time_mlp = TimestepEmbedding(cfg.in_channels, cfg.time_embed_dim)
+        self.down_blocks = nn.ModuleList([_stage(cfg.in_channels, cfg, tail=True)])
+        self.mid_blocks = nn.ModuleList(_stage(c, cfg, tail=False) for _ in range(cfg.num_mid_blocks))
+        self.up_blocks = nn.ModuleList([_stage(2 * c, cfg, tail=True)])
+        self.final_block = CausalBlock1D(c, c)
+        self.final_proj = nn.Conv1d(c, cfg.out_channels, 1)
+        conv_slot = attn_slot = 0
+        for module in self.modules():
+            if isinstance(module, CausalConv1d):
+                module.slot, conv_slot = conv_slot, conv_slot + 1
+            elif isinstance(module, Attention):
+                module.slot, attn_slot = attn_slot, attn_slot + 1
+
+    def _resnet_and_blocks(self, stage: nn.ModuleList, x: Tensor, t_emb: Tensor, batch: _Batch) -> Tensor:
+        x = stage[0](x, t_emb, batch).transpose(1, 2)
+        for block in _parts(stage[1]):
+            x = block(x, batch)
+        return x.transpose(1, 2)
+
+    def forward(
+        self,
+        x: Tensor,
+        mu: Tensor,
+        t: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        caches: list[EstimatorCache],
+        chunk_masks: bool,
+    ) -> Tensor:
+        # x, mu, cond: [B, 80, T] new frames; t: [B]; spks: [B, 80]; B = len(caches) * rows -> [B, 80, T]
+        batch = _Batch(caches, x.shape[0] // len(caches), self.chunk_frames if chunk_masks else None)
+        out = self.forward_batch(x, mu, t, spks, cond, batch)
+        for cache in caches:
+            cache.frames += x.shape[2]
+        return out
+
+    def forward_batch(
+        self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, batch: Any
+    ) -> Tensor:
+        """The network on the new frames; `batch` supplies each causal conv's left context
+        (`conv_context`) and each attention's cached keys (`attend`): `_Batch` here, a graph input
+        packing for the ONNX export (`voicertc.backends.cosyvoice.accel.flow_onnx_export`)."""
+        frames = x.shape[2]
+        t_emb = self.time_mlp(self.time_embeddings(t).to(t.dtype))
+        h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, frames), cond], dim=1)
+        down = _parts(self.down_blocks[0])
+        skip = self._resnet_and_blocks(down, h, t_emb, batch)
+        h = down[2](skip, batch)
+        for stage in self.mid_blocks:
+            h = self._resnet_and_blocks(_parts(stage), h, t_emb, batch)
+        up = _parts(self.up_blocks[0])
+        h = self._resnet_and_blocks(up, torch.cat([h, skip], dim=1), t_emb, batch)
+        h = up[2](h, batch)
+        h = self.final_block(h, batch)
+        return self.final_proj(h)

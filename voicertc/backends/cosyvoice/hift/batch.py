@@ -1,0 +1,145 @@
+"""Batched streaming HiFT: several utterances' next mel chunks vocoded in one forward.
+
+Runs on the engine thread. Each row keeps its own `HiftStreamState` (mel cache, excitation cache,
+held-back tail) and draws its excitation from its own generator, exactly as `hift_stream_step` does
+alone; only the f0 predictor and the generator network run once for the whole batch. HiFT is non-causal
+(its convolutions see right context), so rows are batched only when their vocoder input (cache frames +
+new frames) has the same length: no padding, so a batch computes what each row would alone (up to float
+rounding of the batched convolutions).
+
+`vocode_batch` is the batched `Token2WavStream.complete`: it runs HiFT for every stream, then queues
+every row's device->host copy before waiting for any (`HostCopyAsync`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from voicertc.backends.cosyvoice.hift.generator import HiFTGenerator
+from voicertc.backends.cosyvoice.hift.overlap_add import fade_in_out, hamming_window
+from voicertc.backends.cosyvoice.hift.source import SourceDraws
+from voicertc.backends.cosyvoice.hift.stream import (
+    MEL_CACHE_FRAMES,
+    SOURCE_CACHE_SAMPLES,
+    SPEECH_TAIL_SAMPLES,
+    HiftStreamState,
+    hift_stream_step,
+)
+from voicertc.backends.cosyvoice.serve.token2wav import Chunk, ChunkPlan, Token2WavStream
+
+logger = logging.getLogger(__name__)
+
+HostCopyAsync = Callable[[Tensor], Callable[[], np.ndarray]]  # queue a copy; the callable waits for it
+
+
+def vocoder_frames(state: HiftStreamState, new_frames: int) -> int:
+    """The length of the mel HiFT sees for a chunk of `new_frames` (the cache frames included)."""
+    return new_frames + (state.mel_cache.shape[2] if state.mel_cache is not None else 0)
+
+
+@torch.inference_mode()
+def hift_stream_step_batch(
+    hift: HiFTGenerator,
+    mel_chunks: Sequence[Tensor],
+    states: Sequence[HiftStreamState],
+    finalize: Sequence[bool],
+    generators: Sequence[torch.Generator | None],
+) -> list[Tensor]:
+    """`hift_stream_step` for several rows at once (equal vocoder input lengths); PCM per row."""
+    # mel_chunks: B x [1, 80, T_new] -> B x pcm [N]
+    if len(states) == 1:
+        return [hift_stream_step(hift, mel_chunks[0], states[0], finalize[0], generator=generators[0])]
+    mels = []
+    for mel_chunk, state in zip(mel_chunks, states, strict=True):
+        if state.finished:
+            raise ValueError("hift_stream_step called after the final chunk")
+        cache = state.mel_cache
+        mels.append(torch.cat([cache, mel_chunk.to(cache)], dim=2) if cache is not None else mel_chunk)
+    if len({m.shape[2] for m in mels}) != 1:
+        raise ValueError("a HiFT batch needs vocoder inputs of one length")
+    mel = torch.cat(mels, dim=0)
+    f0_hz = hift.f0(mel)
+    samples = f0_hz.shape[1] * hift.config.samples_per_frame
+    harmonics = hift.config.nb_harmonics + 1
+    draws = [SourceDraws.draw(1, samples, harmonics, g) for g in generators]
+    source = hift.source_from_f0(
+        f0_hz,
+        SourceDraws(
+            initial_phase=torch.cat([d.initial_phase for d in draws], dim=0),
+            noise=torch.cat([d.noise for d in draws], dim=0),
+        ),
+    )
+    for row, state in enumerate(states):
+        if state.source_cache is not None and state.source_cache.shape[2] > 0:
+            source[row : row + 1, :, : state.source_cache.shape[2]] = state.source_cache
+    speech = hift.decode(mel, source)
+    return [
+        _finish_row(speech[row : row + 1], source[row : row + 1], mels[row], state, final)
+        for row, (state, final) in enumerate(zip(states, finalize, strict=True))
+    ]
+
+
+def _finish_row(speech: Tensor, source: Tensor, mel: Tensor, state: HiftStreamState, final: bool) -> Tensor:
+    """The cross-fade, the held-back tail and the caches of one row (as `hift_stream_step`)."""
+    if state.speech_tail is not None:
+        speech = fade_in_out(speech, state.speech_tail, hamming_window(2 * SPEECH_TAIL_SAMPLES))
+    if final:
+        state.mel_cache = state.source_cache = state.speech_tail = None
+        state.finished = True
+        return speech[0]
+    if speech.shape[1] <= SPEECH_TAIL_SAMPLES or mel.shape[2] < MEL_CACHE_FRAMES:
+        raise ValueError(
+            f"a non-final HiFT chunk needs more than {MEL_CACHE_FRAMES} mel frames, got {mel.shape[2]}"
+        )
+    state.mel_cache = mel[:, :, -MEL_CACHE_FRAMES:].clone()  # clones: a row keeps no batch tensor alive
+    state.source_cache = source[:, :, -SOURCE_CACHE_SAMPLES:].clone()
+    state.speech_tail = speech[:, -SPEECH_TAIL_SAMPLES:].clone()
+    return speech[0, :-SPEECH_TAIL_SAMPLES]
+
+
+def _sync_copy(pcm: Tensor) -> Callable[[], np.ndarray]:
+    host = pcm.detach().to("cpu", torch.float32).numpy()
+    return lambda: host
+
+
+def vocode_batch(
+    streams: Sequence[Token2WavStream],
+    plans: Sequence[ChunkPlan],
+    mels: Sequence[Tensor],
+    flow_s: Sequence[float],
+    to_host: HostCopyAsync = _sync_copy,
+) -> list[Chunk]:
+    """`Token2WavStream.complete` for several streams in one HiFT forward (equal vocoder lengths)."""
+    started = time.perf_counter()
+    states = []
+    for stream in streams:
+        if stream.hift_state is None:
+            raise ValueError("this token2wav stream is released")
+        if stream.source_fn is not None:
+            raise ValueError("an injected excitation (source_fn) is vocoded alone")
+        states.append(stream.hift_state)
+    pcm = hift_stream_step_batch(
+        streams[0].hift,
+        [m.float() for m in mels],  # HiFT stays float32 when the flow runs in half precision
+        states,
+        [p.final for p in plans],
+        [s.generator for s in streams],
+    )
+    waits = [to_host(p) for p in pcm]  # every copy queued before the first wait
+    vocoder_s = (time.perf_counter() - started) / len(streams)
+    chunks = []
+    for stream, plan, mel, wait, seconds in zip(streams, plans, mels, waits, flow_s, strict=True):
+        chunk = Chunk(stream.chunk_index, mel, wait(), plan.final, flow_s=seconds, vocoder_s=vocoder_s)
+        stream.emitted_tokens = plan.end_tokens
+        stream.chunk_index += 1
+        if plan.final:
+            stream.finished = True
+            stream.release()
+        chunks.append(chunk)
+    return chunks

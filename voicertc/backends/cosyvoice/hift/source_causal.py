@@ -1,0 +1,124 @@
+"""CosyVoice3's causal neural-source-filter excitation (`SourceModuleHnNSF(causal=True)` / `SineGen2`).
+
+Differences from CosyVoice2 (`cosyvoice2.hift_source`): no per-call randomness. The official module
+draws fixed buffers once at construction — an initial phase `rand_ini` [1, 9] (fundamental zeroed) and
+uniform [0, 1) noise `sine_waves` [1, 7200000, 9] — and every call slices them by absolute sample
+position; the integrated phase is upsampled with *nearest* (not linear) interpolation.
+
+Everything is frame-causal, so a stream computes the excitation chunk by chunk: the running phase sum
+is carried (appended in the order `cumsum` adds, so the values are the whole-call ones bit for bit)
+and the noise is read at the chunk's absolute positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from voicertc.backends.cosyvoice.hift.source import SineParams
+
+DEFAULT_NOISE_SEED = 1986  # our own buffers (the official values depend on the RNG state at construction)
+NOISE_BLOCK_SAMPLES = 24000
+
+
+class NoiseBuffers:
+    """`rand_ini` [1, H] and the uniform noise [1, L, H] by absolute sample position.
+
+    Injected buffers (`set`) are used as given; otherwise (and beyond an injected prefix) seeded uniform
+    blocks of one second are drawn on demand, so memory stays bounded."""
+
+    def __init__(self, harmonics: int, seed: int = DEFAULT_NOISE_SEED) -> None:
+        self.harmonics = harmonics
+        self.seed = seed
+        generator = torch.Generator().manual_seed(seed)
+        self.rand_ini = torch.rand(1, harmonics, generator=generator)
+        self.rand_ini[:, 0] = 0
+        self.sine_waves: Tensor | None = None
+        self._block: tuple[int, Tensor] | None = None
+
+    def set(self, rand_ini: Tensor, sine_waves: Tensor) -> None:
+        if rand_ini.shape != (1, self.harmonics):
+            raise ValueError(f"rand_ini must have shape [1, {self.harmonics}], got {list(rand_ini.shape)}")
+        if sine_waves.dim() != 3 or sine_waves.shape[0] != 1 or sine_waves.shape[2] != self.harmonics:
+            raise ValueError(
+                f"sine_waves must have shape [1, L, {self.harmonics}], got {list(sine_waves.shape)}"
+            )
+        self.rand_ini = rand_ini.detach().float().cpu().clone()
+        self.sine_waves = sine_waves.detach().float().cpu().contiguous()
+
+    def noise(self, start: int, end: int) -> Tensor:
+        """Noise samples [start, end) as [1, end - start, H] (CPU float32)."""
+        if self.sine_waves is not None:
+            injected = self.sine_waves.shape[1]
+            if end <= injected:
+                return self.sine_waves[:, start:end]
+            if start < injected:  # an injected prefix (the reference's is 300 s) continues with our own
+                return torch.cat([self.sine_waves[:, start:], self._generated(injected, end)], dim=1)
+        return self._generated(start, end)
+
+    def _generated(self, start: int, end: int) -> Tensor:
+        parts = [
+            self._block_at(b) for b in range(start // NOISE_BLOCK_SAMPLES, -(-end // NOISE_BLOCK_SAMPLES))
+        ]
+        joined = torch.cat(parts, dim=1) if parts else torch.zeros(1, 0, self.harmonics)
+        offset = start - (start // NOISE_BLOCK_SAMPLES) * NOISE_BLOCK_SAMPLES
+        return joined[:, offset : offset + end - start]
+
+    def _block_at(self, index: int) -> Tensor:
+        if self._block is None or self._block[0] != index:
+            generator = torch.Generator().manual_seed(self.seed + 1 + index)
+            self._block = (index, torch.rand(1, NOISE_BLOCK_SAMPLES, self.harmonics, generator=generator))
+        return self._block[1]
+
+
+@dataclass
+class SourceState:
+    """Per-stream excitation state: frames done and the running (not yet 2π-scaled) phase sums."""
+
+    frames: int = 0
+    phase_sum: Tensor | None = None  # [1, 1, H] float64 running sum
+
+
+class CausalSourceModule(nn.Module):
+    """Merges the harmonic sines into one excitation channel (`m_source` in the checkpoint)."""
+
+    def __init__(self, params: SineParams) -> None:
+        super().__init__()
+        self.params = params
+        self.l_linear = nn.Linear(params.harmonics, 1)
+        self.buffers_ = NoiseBuffers(params.harmonics)
+
+    def forward(self, f0: Tensor, state: SourceState) -> Tensor:
+        # f0: [1, n] Hz (float32) for frames state.frames.. -> source [1, 1, n * 480]
+        p = self.params
+        scale = p.upsample_scale
+        if f0.shape[1] == 0:
+            return f0.new_zeros(1, 1, 0)
+        start = state.frames * scale
+        f0_up = f0.repeat_interleave(scale, dim=1).unsqueeze(-1)  # [1, L, 1]
+        orders = torch.arange(1, p.harmonics + 1, dtype=torch.float32, device=f0.device)
+        rad = (f0_up * orders[None, None, :] / p.sample_rate_hz) % 1
+        if state.frames == 0 and rad.shape[1]:
+            rad[:, 0, :] = rad[:, 0, :] + self.buffers_.rand_ini.to(rad)
+        rad_frames = F.interpolate(rad.transpose(1, 2), scale_factor=1 / scale, mode="linear").transpose(1, 2)
+        # torch's CPU cumsum accumulates float32 in float64: carry that accumulator, prepended so the
+        # additions happen in the whole-call order
+        wide = rad_frames.to(torch.float64)
+        carry = state.phase_sum if state.phase_sum is not None else wide.new_zeros(1, 1, p.harmonics)
+        sums = torch.cumsum(torch.cat([carry, wide], dim=1), dim=1)[:, 1:]
+        if sums.shape[1]:
+            state.phase_sum = sums[:, -1:]
+        phase = sums.to(rad_frames.dtype) * 2 * np.pi
+        phase = F.interpolate(phase.transpose(1, 2) * scale, scale_factor=scale, mode="nearest").transpose(
+            1, 2
+        )
+        sines = torch.sin(phase) * p.sine_amp
+        uv = (f0_up > p.voiced_threshold_hz).to(torch.float32)
+        noise_amp = uv * p.noise_std + (1 - uv) * p.sine_amp / 3
+        noise = noise_amp * self.buffers_.noise(start, start + f0_up.shape[1]).to(f0_up.device)
+        state.frames += f0.shape[1]
+        return torch.tanh(self.l_linear(sines * uv + noise)).transpose(1, 2)

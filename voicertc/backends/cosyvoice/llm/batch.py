@@ -1,0 +1,77 @@
+"""Batched LLM decode: one step for many sessions on the slot K/V cache (`llm.kv`).
+
+Runs on the engine thread. Rows that feed one position on a `SlotKV` row share one batched forward
+(replayed from a CUDA graph per batch bucket when `llm.graphs` is given); anything else runs alone.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from voicertc.backends.cosyvoice.llm.bistream import BistreamSession
+from voicertc.backends.cosyvoice.llm.kv import KVSlot
+from voicertc.backends.cosyvoice.llm.qwen2lm import LlmSession, Qwen2LM
+
+if TYPE_CHECKING:
+    from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs
+
+
+DecodeResult = int | None | BaseException
+
+
+def _prepare(session: LlmSession | BistreamSession) -> Tensor | None:
+    """The input the session feeds next (taken from it), or None when it feeds nothing now."""
+    if isinstance(session, BistreamSession):
+        return session.prepare()
+    if session.finished:
+        return None
+    embeds, session.pending = session.pending, None
+    return embeds
+
+
+@torch.inference_mode()
+def decode_batch(
+    llm: Qwen2LM, sessions: list[LlmSession | BistreamSession], graphs: DecodeGraphs | None = None
+) -> list[DecodeResult]:
+    """One LLM step for every session (a token, None, or that session's exception).
+
+    Rows that feed one position on a `SlotKV` row share one batched forward; anything else (a prompt, a
+    bistream text segment, a `DynamicCache` session) is fed alone. Each row samples with its own generator,
+    so the tokens are those each session would draw alone. With `graphs` the batched rows run its
+    static-shape step (a CUDA graph replay per batch bucket).
+    """
+    results: list[DecodeResult] = [None] * len(sessions)
+    fed: list[int] = []
+    batch: list[tuple[int, KVSlot, Tensor]] = []
+    for i, session in enumerate(sessions):
+        try:
+            embeds = _prepare(session)
+            if embeds is None:
+                continue
+            if isinstance(session.cache, KVSlot) and embeds.shape[1] == 1:
+                batch.append((i, session.cache, embeds))
+                continue
+            session.logits = llm.feed(session.cache, embeds)
+            fed.append(i)
+        except Exception as exc:  # noqa: BLE001 - isolated per session
+            results[i] = exc
+    if batch:
+        rows = [b[1] for b in batch]
+        embeds = torch.cat([b[2] for b in batch], dim=0)
+        if graphs is not None and rows[0].pool is graphs.pool:
+            logits = graphs.logits(rows, embeds)
+        else:
+            logits = llm.llm_decoder(rows[0].pool.forward(rows, embeds)[:, -1])
+        for row, (i, _, _) in enumerate(batch):
+            sessions[i].logits = logits[row]
+            fed.append(i)
+    for i in sorted(fed):
+        session = sessions[i]
+        try:
+            results[i] = session.accept() if isinstance(session, BistreamSession) else llm.accept(session)
+        except Exception as exc:  # noqa: BLE001 - isolated per session
+            results[i] = exc
+    return results

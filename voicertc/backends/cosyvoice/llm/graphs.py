@@ -1,0 +1,153 @@
+"""The batched one-position LLM decode step at static shapes, captured as one CUDA graph per batch bucket.
+
+`[engine] cuda_graphs = true` (CUDA only). A decode step of B rows on a `SlotKV` is padded to the
+smallest bucket >= B (1, 2, 4, ... up to `max_rows`); the pad rows write into a scratch row of the pool
+that no utterance owns. Every row attends over the pool's whole capacity (masked to its own length), so
+a step's shapes depend on the bucket alone: the graph of that bucket, captured once, replays it with a
+few host->device copies and no kernel launches from Python. A pool that grows (more slots, more
+positions) reallocates its K/V tensors and the graphs are captured again.
+
+On a CPU the same padded static step runs eagerly (no capture), which is what the CPU tests check
+against `SlotKV.forward`; on CUDA the gpu tests check that replay gives the eager tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from voicertc.backends.cosyvoice.llm.kv import KVSlot, SlotKV
+
+logger = logging.getLogger(__name__)
+
+
+def batch_buckets(max_rows: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to the first power of two >= max_rows."""
+    buckets = [1]
+    while buckets[-1] < max_rows:
+        buckets.append(buckets[-1] * 2)
+    return tuple(buckets)
+
+
+def bucket_for(rows: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket that holds `rows` rows (None: more rows than the largest bucket)."""
+    return next((b for b in buckets if b >= rows), None)
+
+
+@dataclass(eq=False)
+class StaticStep:
+    """One bucket's fixed input/output buffers (and its captured graph, on CUDA)."""
+
+    rows: int
+    index: Tensor  # [rows] pool row of each batch row
+    positions: Tensor  # [rows, 1] the position each row writes
+    embeds: Tensor  # [rows, 1, H]
+    logits: Tensor | None = None  # [rows, V] (written by the step)
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class DecodeGraphs:
+    """Static-shape decode steps over `pool`, one per bucket; engine thread only."""
+
+    def __init__(self, pool: SlotKV, head: nn.Module, max_rows: int, capture: bool | None = None) -> None:
+        self.pool = pool
+        self.head = head  # hidden [B, H] -> logits [B, V] (`llm_decoder`)
+        self.buckets = batch_buckets(max_rows)
+        self.capture = pool.device.type == "cuda" if capture is None else capture
+        if self.capture and pool.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA pool")
+        self.scratch = pool.acquire()  # the pad rows' row: owned by no utterance
+        self.hidden_size = int(pool.backbone.config.hidden_size)
+        self._steps: dict[int, StaticStep] = {}
+        self._generation = pool.generation
+        self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.captures = 0
+        self.replays = 0
+
+    def close(self) -> None:
+        self._steps.clear()
+        self.scratch.release()
+
+    def warm(self) -> None:
+        """Capture every bucket now (at start-up, not during the first calls)."""
+        for rows in self.buckets:
+            self._step(rows)
+
+    @torch.inference_mode()
+    def logits(self, rows: list[KVSlot], embeds: Tensor) -> Tensor:
+        """Logits [B, V] of one position for each row (`embeds` [B, 1, H]); each row's length grows by 1.
+
+        More rows than the largest bucket run the eager `SlotKV.forward`."""
+        if embeds.shape[1] != 1 or len(rows) != embeds.shape[0]:
+            raise ValueError(f"a static step takes [B, 1, H] for B rows, got {tuple(embeds.shape)}")
+        if any(r.released or r.pool is not self.pool for r in rows):
+            raise ValueError("a released or foreign KV slot")
+        bucket = bucket_for(len(rows), self.buckets)
+        if bucket is None:
+            return self.head(self.pool.forward(rows, embeds)[:, -1])
+        self.pool.ensure_capacity(max(r.length for r in rows) + 1)
+        if self.pool.generation != self._generation:  # K/V reallocated: captured addresses are stale
+            logger.info("LLM slot cache reallocated: decode graphs are captured again")
+            self._steps.clear()
+            self._generation = self.pool.generation
+            if self.capture:  # the old graphs' private memory pool dies with them: a new one
+                self._mempool = torch.cuda.graph_pool_handle()
+        step = self._step(bucket)
+        pad = bucket - len(rows)
+        index = [r.index for r in rows] + [self.scratch.index] * pad
+        positions = [r.length for r in rows] + [0] * pad
+        step.index.copy_(torch.tensor(index), non_blocking=True)
+        step.positions.copy_(torch.tensor(positions)[:, None], non_blocking=True)
+        step.embeds[: len(rows)].copy_(embeds)
+        step.embeds[len(rows) :].zero_()
+        self._replay(step)
+        for r in rows:
+            r.length += 1
+        assert step.logits is not None
+        return step.logits[: len(rows)].clone()
+
+    def _forward(self, step: StaticStep) -> Tensor:
+        hidden = self.pool.run(step.index, step.positions, step.embeds, self.pool.capacity)
+        return self.head(hidden[:, -1])
+
+    def _replay(self, step: StaticStep) -> None:
+        self.replays += 1
+        if step.graph is not None:
+            step.graph.replay()
+        else:
+            step.logits = self._forward(step)
+
+    def _step(self, rows: int) -> StaticStep:
+        step = self._steps.get(rows)
+        if step is not None:
+            return step
+        device, dtype = self.pool.device, self.pool.dtype
+        step = StaticStep(
+            rows=rows,
+            index=torch.full((rows,), self.scratch.index, dtype=torch.long, device=device),
+            positions=torch.zeros((rows, 1), dtype=torch.long, device=device),
+            embeds=torch.zeros((rows, 1, self.hidden_size), dtype=dtype, device=device),
+        )
+        if self.capture:
+            self._capture(step)
+        self._steps[rows] = step
+        return step
+
+    @torch.inference_mode()
+    def _capture(self, step: StaticStep) -> None:
+        """Warm up on a side stream (the pad inputs write only the scratch row), then capture."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(step)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool):
+            step.logits = self._forward(step)
+        step.graph = graph
+        self.captures += 1
+        logger.info("captured the decode graph of %d rows (capacity %d)", step.rows, self.pool.capacity)

@@ -1,0 +1,212 @@
+"""The static, slot-based K/V cache of the speech LLM's Qwen2 backbone (`SlotKV`, one `KVSlot` a row).
+
+Runs on the engine thread. `SlotKV` preallocates keys/values for `slots` utterances x `capacity`
+positions ([layers, slots, kv_heads, capacity, head_dim]); each utterance holds one `KVSlot` (its row and
+its own length) for the life of its LLM session. `SlotKV.forward` runs the Qwen2 layers for several slots
+at once with ragged positions: each row's new keys/values are written at that row's length, and each
+query attends only to its own row's first `length + t + 1` positions (a boolean mask), so a batch of
+utterances at different positions computes exactly what each would alone.
+
+Shapes stay static while nothing outgrows the pool (slots and capacity double when they must, which is
+what a CUDA-graph capture per batch bucket keys on, `llm.graphs`). The transformers modules are used for
+their weights and their RMSNorm / MLP / rotary code; only the attention over the slot cache is ours.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers.cache_utils import CacheLayerMixin, DynamicCache
+from transformers.models.qwen2.modeling_qwen2 import (
+    Qwen2Attention,
+    Qwen2DecoderLayer,
+    Qwen2Model,
+    apply_rotary_pos_emb,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class KVSlot:
+    """One utterance's row of a `SlotKV`; `length` = positions filled. Released exactly once."""
+
+    pool: SlotKV
+    index: int
+    length: int = 0
+    released: bool = False
+
+    def feed(self, embeds: Tensor) -> Tensor:
+        """Run `embeds` [1, T, H] on this row; the hidden states [1, T, H] after the final norm."""
+        return self.pool.forward([self], embeds)
+
+    def load(self, cache: DynamicCache) -> None:
+        """Copy a transformers cache (a voice's prefix) into this row, replacing what it held."""
+        self.pool.load(self, cache)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.pool.free(self)
+
+
+class SlotKV:
+    """The static K/V pool of one backbone (`Qwen2ForCausalLM.model`). Owned by the engine thread."""
+
+    def __init__(
+        self,
+        backbone: Qwen2Model,
+        slots: int = 16,
+        capacity: int = 1024,
+    ) -> None:
+        cfg = backbone.config
+        self.backbone = backbone
+        self.layers = int(cfg.num_hidden_layers)
+        self.heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(cfg.num_key_value_heads or cfg.num_attention_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        weight = backbone.embed_tokens.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.k = self._zeros(slots, capacity)
+        self.v = self._zeros(slots, capacity)
+        self._free = list(range(slots - 1, -1, -1))
+        self.grows = 0
+
+    def _zeros(self, slots: int, capacity: int) -> Tensor:
+        shape = (self.layers, slots, self.kv_heads, capacity, self.head_dim)
+        return torch.zeros(shape, device=self.device, dtype=self.dtype)
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def in_use(self) -> int:
+        return self.slots - len(self._free)
+
+    def acquire(self) -> KVSlot:
+        """A free row (the pool doubles its slots when none is left)."""
+        if not self._free:
+            self._resize(self.slots * 2, self.capacity)
+        return KVSlot(self, self._free.pop())
+
+    def free(self, slot: KVSlot) -> None:
+        self._free.append(slot.index)
+
+    def _resize(self, slots: int, capacity: int) -> None:
+        old_slots, old_cap = self.slots, self.capacity
+        k, v = self._zeros(slots, capacity), self._zeros(slots, capacity)
+        k[:, :old_slots, :, :old_cap] = self.k
+        v[:, :old_slots, :, :old_cap] = self.v
+        self.k, self.v = k, v
+        self._free = list(range(slots - 1, old_slots - 1, -1)) + self._free
+        self.grows += 1
+        logger.info("LLM slot cache grown to %d slots x %d positions", slots, capacity)
+
+    def _ensure_capacity(self, needed: int) -> None:
+        if needed > self.capacity:
+            capacity = self.capacity
+            while capacity < needed:
+                capacity *= 2
+            self._resize(self.slots, capacity)
+
+    def load(self, slot: KVSlot, cache: DynamicCache) -> None:
+        length = cache.get_seq_length()
+        self._ensure_capacity(length)
+        for i, layer in enumerate(cache.layers):
+            if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
+                raise ValueError(f"layer {i} of the prefix cache holds no keys/values")
+            self.k[i, slot.index, :, :length] = layer.keys[0]
+            self.v[i, slot.index, :, :length] = layer.values[0]
+        slot.length = length
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever the K/V tensors are reallocated (a captured graph holds their addresses)."""
+        return self.grows
+
+    def ensure_capacity(self, needed: int) -> None:
+        """Room for `needed` positions per row (the pool doubles its capacity when it must)."""
+        self._ensure_capacity(needed)
+
+    @torch.inference_mode()
+    def forward(self, rows: list[KVSlot], embeds: Tensor) -> Tensor:
+        """One forward of `embeds` [B, T, H] (row b on `rows[b]`); each row's length grows by T."""
+        if len(rows) != embeds.shape[0]:
+            raise ValueError(f"{len(rows)} slots for a batch of {embeds.shape[0]}")
+        if any(r.released or r.pool is not self for r in rows):
+            raise ValueError("a released or foreign KV slot")
+        n_new = embeds.shape[1]
+        lengths = [r.length for r in rows]
+        span = max(lengths) + n_new  # keys every row may need: [0, span)
+        self._ensure_capacity(span)
+        starts = torch.tensor(lengths, device=self.device)
+        positions = starts[:, None] + torch.arange(n_new, device=self.device)[None, :]  # [B, T]
+        index = torch.tensor([r.index for r in rows], device=self.device)
+        hidden = self.run(index, positions, embeds, span)
+        for r in rows:
+            r.length += n_new
+        return hidden
+
+    def run(self, index: Tensor, positions: Tensor, embeds: Tensor, span: int) -> Tensor:
+        """The layers on device tensors only (no host sync, so a CUDA graph can capture it): rows
+        `index` [B] write their keys/values at `positions` [B, T] and attend to keys [0, span) up to their
+        own position. `span` = the capacity gives every call the same shapes. Hidden states [B, T, H]."""
+        keys = torch.arange(span, device=self.device)
+        mask = keys[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, span]
+        bb = self.backbone
+        hidden = embeds.to(self.dtype)
+        cos, sin = bb.rotary_emb(hidden, positions)
+        # nn.ModuleList is not generic (its items type as Module): these are Qwen2 decoder layers
+        layers = cast(Sequence[Qwen2DecoderLayer], bb.layers[: self.layers])
+        for i, layer in enumerate(layers):
+            residual = hidden
+            x = layer.input_layernorm(hidden)
+            hidden = residual + self._attention(layer.self_attn, x, cos, sin, i, index, positions, span, mask)
+            residual = hidden
+            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        return bb.norm(hidden)
+
+    def _attention(
+        self,
+        attn: Qwen2Attention,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        layer: int,
+        index: Tensor,
+        positions: Tensor,
+        span: int,
+        mask: Tensor,
+    ) -> Tensor:
+        # x: [B, T, H] -> [B, T, H]
+        batch, n_new, _ = x.shape
+        q = attn.q_proj(x).view(batch, n_new, self.heads, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(batch, n_new, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(batch, n_new, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        rows = index[:, None].expand(batch, n_new)
+        # advanced indexing on (slot, position) puts those dims first: [B, T, kv_heads, D]
+        self.k[layer][rows, :, positions] = k.transpose(1, 2)
+        self.v[layer][rows, :, positions] = v.transpose(1, 2)
+        keys = self.k[layer, index, :, :span]  # [B, kv_heads, span, D]
+        values = self.v[layer, index, :, :span]
+        groups = self.heads // self.kv_heads
+        if groups > 1:
+            keys = keys.repeat_interleave(groups, dim=1)
+            values = values.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling)
+        return attn.o_proj(out.transpose(1, 2).reshape(batch, n_new, -1))

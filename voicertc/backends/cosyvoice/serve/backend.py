@@ -1,0 +1,622 @@
+"""CosyVoice2Backend: the streaming CosyVoice2 engine behind the worker's `BatchBackend` protocol.
+
+Runs on the engine worker thread (every method but `voices()`). `plan(utt)` names the utterance's next
+unit (`Cv2State.plan`, no side effects); `run(batch)` does a batch the scheduler formed:
+
+* `Decode`    up to `decode_burst` LLM steps for every row at once (`llm_batch.decode_batch` on the
+  static slot KV cache; each row samples with its own generator); a row leaves the burst when its next
+  chunk becomes ready, its LLM ends, or it waits for text;
+* `FlowChunk` one estimator batch per `options.max_batch` rows of equal advance (if it fails, each row is
+  retried alone from a saved state, so only the utterance at fault fails);
+* `Vocode`    one HiFT forward for every row of equal vocoder length (`hift_batch.vocode_batch`: per-row
+  caches and generators; every row's device->host copy is queued before the first wait);
+* `Frontend` / `Prefill` / `Finish` one utterance at a time (cheap transitions).
+
+A chunk is ready the moment its last lookahead token is decoded, so nothing waits or polls. Every
+per-utterance cache (KV slot, flow and HiFT state) is freed in `release`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from voicertc.audio.decode import Clip
+from voicertc.backends.cosyvoice.accel.apply import apply_accel, vllm_export_dir
+from voicertc.backends.cosyvoice.flow.flow import FlowStreamState
+from voicertc.backends.cosyvoice.hift.batch import vocode_batch
+from voicertc.backends.cosyvoice.hift.stream import HiftStreamState
+from voicertc.backends.cosyvoice.llm.batch import decode_batch
+from voicertc.backends.cosyvoice.llm.bistream import BistreamSession
+from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs
+from voicertc.backends.cosyvoice.llm.kv import KVSlot, SlotKV
+from voicertc.backends.cosyvoice.llm.qwen2lm import MAX_TOKEN_TEXT_RATIO, MIN_TOKEN_TEXT_RATIO, LlmSession
+from voicertc.backends.cosyvoice.llm.sampling import SamplingMode
+from voicertc.backends.cosyvoice.llm.streamer import SpeechTokenStreamer, StreamedSession, ThreadedSpeechLlm
+from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model, load
+from voicertc.backends.cosyvoice.serve.device_lane import DeviceLane, resolve_device
+from voicertc.backends.cosyvoice.serve.modes import llm_prompt
+from voicertc.backends.cosyvoice.serve.state import Cv2State, FlowedChunk
+from voicertc.backends.cosyvoice.serve.token2wav import Chunk, Token2WavStream
+from voicertc.backends.cosyvoice.voice.text import text_normalize
+from voicertc.backends.cosyvoice.voice.voices import Voice, VoiceBook, VoiceStore, voice_from_features
+from voicertc.config import Config, EngineConfig
+from voicertc.engine.backend import Backend, StepResult, SynthStep
+from voicertc.engine.schedule import ChunkSchedule
+from voicertc.engine.text_chunks import has_speech
+from voicertc.engine.utterance import Utterance
+from voicertc.engine.work import Decode, Finish, FlowChunk, Frontend, Job, Prefill, Vocode, Work
+from voicertc.errors import ConfigError, InputError
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_RATE_HZ = 24000
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """Knobs that are not in config.toml (tests and benchmarks set them)."""
+
+    decode_burst: int = 5  # LLM tokens per Decode unit at most
+    max_batch: int = 8  # utterances per estimator batch (1 = never batch)
+    batch_pull_tokens: int = 8  # (kept for callers; the worker's pull_tokens is the scheduler policy)
+    kv_slots: int = 8  # LLM slot KV cache rows preallocated (doubles when full)
+    kv_capacity: int = 512  # positions per row preallocated (doubles when needed)
+    sampling: SamplingMode = "ras"
+    seed: int | None = None  # per-utterance RNGs from seed + crc32(utterance id); None = random
+    max_segment_tokens: int | None = None  # cap on speech tokens per LLM call (tests, benchmarks)
+    cuda_graphs: bool = False  # batched decode as CUDA graph replays, one per batch bucket (CUDA only)
+    graph_rows: int = 16  # the largest decode bucket captured (more rows decode eagerly)
+
+
+Cv2Job = Job[Cv2State]
+
+
+class CosyVoice2Backend:
+    """The `cosyvoice2` engine backend (see the module docstring for the threading rules)."""
+
+    name = "cosyvoice2"
+
+    def __init__(
+        self,
+        model: CosyVoice2Model,
+        schedule: ChunkSchedule | None = None,
+        voices_dir: str | Path | None = None,
+        options: BackendOptions | None = None,
+        streamer: SpeechTokenStreamer | None = None,
+    ) -> None:
+        self.model = model
+        self.streamer = streamer  # whole-text segments decode there (`[engine] llm`), None = here
+        self._wake: Callable[[], None] = lambda: None
+        self.schedule = schedule or ChunkSchedule()
+        self.options = options or BackendOptions()
+        self.book = VoiceBook(model, VoiceStore(voices_dir) if voices_dir else None)
+        self.lane = DeviceLane(model.device)
+        slots = self.options.kv_slots
+        if self.options.cuda_graphs:  # every bucket's rows + the graphs' scratch row, without growing
+            slots = max(slots, self.options.graph_rows + 1)
+        self.kv = SlotKV(model.llm.llm.model.model, slots, self.options.kv_capacity)
+        self.graphs = self._decode_graphs()
+        self._active: dict[str, Utterance[Cv2State]] = {}  # diagnostics only (leak checks); never scheduled
+        self.stats = {
+            "chunks": 0, "batches": 0, "batched_chunks": 0, "batch_fallbacks": 0,
+            "decode_batches": 0, "decode_rows": 0, "vocode_batches": 0,
+        }  # fmt: skip
+        text_normalize("warm up.", lambda s: [0] * len(s))  # loads the normaliser grammars now, not later
+
+    def bind_wake(self, wake: Callable[[], None]) -> None:
+        """The worker's wake-up (any thread): a streamed token makes an utterance runnable."""
+        self._wake = wake
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        if not self.options.cuda_graphs:
+            return None
+        if self.model.device.type != "cuda":
+            raise ConfigError("engine.cuda_graphs: CUDA graphs need a CUDA device (engine.device)")
+        return DecodeGraphs(self.kv, self.model.llm.llm_decoder, self.options.graph_rows)
+
+    # ---- voices -------------------------------------------------------------------------------
+
+    def voices(self) -> list[str]:
+        """Any thread (a snapshot)."""
+        return self.book.ids()
+
+    def register_voice(
+        self, wav_path: str | Path, transcript: str | None, voice_id: str | None = None
+    ) -> str:
+        """Zero-shot voice from a prompt recording; persisted in the voices directory.
+
+        Runs model code (speech tokenizer, speaker embedding, flow prompt state, LLM prefix cache): call it
+        on the engine thread, i.e. through `engine.submit_command(register_voice_command(...))`.
+        """
+        return self.book.register_wav(wav_path, transcript, voice_id).voice_id
+
+    def register_clip(
+        self, clip: Clip, transcript: str | None, voice_id: str | None = None, name: str = ""
+    ) -> dict[str, object]:
+        """Engine thread (an engine command): a zero-shot voice from a checked clip; its description."""
+        return self.book.register(clip, transcript, voice_id, name).describe()
+
+    def voice_infos(self) -> list[dict[str, object]]:
+        return self.book.describe()
+
+    def add_voice(self, voice: Voice, persist: bool = True) -> str:
+        return self.book.add(voice, persist=persist).voice_id
+
+    def delete_voice(self, voice_id: str) -> None:
+        self.book.delete(voice_id)
+
+    def warm_up(self) -> None:
+        """Engine thread, before the engine reports ready: one LLM step and one flow + vocoder chunk on
+        a prompt-free voice, so kernels, allocators and caches are set up before the first caller."""
+        started = time.perf_counter()
+        bins, dim = self.model.flow.cfg.mel_bins, self.model.flow.cfg.spk_embed_dim
+        voice = voice_from_features(
+            self.model, torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, bins), torch.zeros(1, dim),
+            voice_id="warm-up", kind="sft",
+        )  # fmt: skip
+        with self.lane.compute():
+            if self.graphs is not None:
+                self.graphs.warm()
+            slot = self.kv.acquire()
+            try:
+                self.model.llm.step(self.model.llm.prefill([0, 1, 2], sampling="greedy", kv=slot))
+            finally:
+                slot.release()
+            t2w = self.model.token2wav_stream(voice, self.schedule, pcm_to_host=self.lane.to_host)
+            try:
+                t2w.push([0] * (self.schedule.first_hop_tokens + self.schedule.lookahead_tokens))
+                t2w.finish()
+            finally:
+                t2w.release()
+        logger.info("cosyvoice2 warmed up in %.0f ms", 1000 * (time.perf_counter() - started))
+
+    # ---- BatchBackend protocol ----------------------------------------------------------------
+
+    features = frozenset({"instruct", "speed"})  # speak options it honours (speed: without streaming)
+
+    def begin(self, utt: Utterance[Cv2State]) -> Cv2State:
+        voice = self.book.get(utt.voice)
+        options = getattr(utt, "options", None)
+        prompt = llm_prompt(voice, getattr(options, "instruct", ""), self.model.text_frontend.encode)
+        seed = self._seed(utt.utterance_id)
+        self._active[utt.utterance_id] = utt
+        return Cv2State(
+            voice=voice,
+            prompt=prompt,
+            speed=float(getattr(options, "speed", 1.0)),
+            llm_generator=torch.Generator(self.model.device).manual_seed(seed),
+            llm_seed=seed,
+            hift_generator=torch.Generator().manual_seed(seed + 1),
+        )
+
+    def _seed(self, utterance_id: str) -> int:
+        if self.options.seed is None:
+            return int(torch.randint(0, 2**62, (1,)).item())
+        return self.options.seed + zlib.crc32(utterance_id.encode())
+
+    def plan(self, utt: Utterance[Cv2State], now_s: float) -> Work | None:
+        st = utt.backend_state
+        return st.plan(utt) if st is not None else None
+
+    def wake_at(self, utt: Utterance[Cv2State]) -> float | None:
+        return None  # only new text (a command) or our own progress makes work
+
+    def run(self, batch: Sequence[Cv2Job], now_s: float) -> list[StepResult]:
+        for job in batch:
+            st = self._state(job)
+            if st.started_s is None:
+                st.started_s = now_s
+                job.utt.add_metric("queue_wait_s", now_s - (job.utt.first_text_s or job.utt.opened_s))
+        work = batch[0].work
+        with self.lane.compute():
+            if isinstance(work, Decode):
+                return self._run_decode(batch)
+            if isinstance(work, FlowChunk):
+                return self._run_flow(batch)
+            if isinstance(work, Vocode):
+                return self._run_vocode(batch)
+            return [self._run_one(job) for job in batch]
+
+    def step_alone(self, utt: Utterance[Cv2State], now_s: float) -> SynthStep | None:
+        """Plan and run one unit of `utt` alone (benchmarks); None when it has nothing to do now."""
+        work = self.plan(utt, now_s)
+        if work is None:
+            return None
+        result = self.run([Job(utt, work)], now_s)[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def release(self, utt: Utterance[Cv2State]) -> None:
+        self._active.pop(utt.utterance_id, None)
+        if utt.backend_state is not None:
+            utt.backend_state.release()
+        utt.backend_state = None
+
+    def close(self) -> None:
+        for utt in list(self._active.values()):
+            self.release(utt)
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+        if self.streamer is not None:
+            self.streamer.stop()
+
+    @staticmethod
+    def _state(job: Cv2Job) -> Cv2State:
+        st = job.utt.backend_state
+        if st is None:
+            raise RuntimeError(f"utterance {job.utt.utterance_id} has no state (released)")
+        return st
+
+    # ---- one-at-a-time units: frontend, segment start, the end ---------------------------------
+
+    def _run_one(self, job: Cv2Job) -> StepResult:
+        try:
+            st, work = self._state(job), job.work
+            if isinstance(work, Frontend):
+                self._frontend(job.utt, st)
+            elif isinstance(work, Prefill):
+                text = self._start_segment(job.utt.utterance_id, st)
+                return SynthStep(sample_rate_hz=SAMPLE_RATE_HZ, text=text)  # marks where its audio starts
+            elif isinstance(work, Finish):
+                st.release()
+                return SynthStep(sample_rate_hz=SAMPLE_RATE_HZ, done=True)
+            else:
+                raise TypeError(f"unexpected unit {work!r}")
+            return SynthStep(sample_rate_hz=SAMPLE_RATE_HZ)
+        except Exception as exc:  # noqa: BLE001 - isolated per utterance
+            return exc
+
+    def _frontend(self, utt: Utterance[Cv2State], st: Cv2State) -> None:
+        started = time.perf_counter()
+        encode = self.model.text_frontend.encode
+        texts = st.take_text(utt)
+        if st.mode == "whole":
+            pieces = self._normalize(utt, texts[0], split=True)
+            encoded = [(ids, p) for p in pieces if (ids := encode(p))]
+            st.segments = deque(ids for ids, _ in encoded)
+            st.segment_texts = deque(p for _, p in encoded)
+        else:
+            if st.bistream is None:
+                st.bistream = BistreamSession.start(
+                    self.model.llm, st.prompt.text_ids, st.prompt.speech_ids,
+                    sampling=self.options.sampling, generator=st.llm_generator, kv=self.kv.acquire(),
+                )  # fmt: skip
+                st.t2w = self._open_t2w(st)
+            for sentence in texts:
+                for text in self._normalize(utt, sentence, split=False):
+                    st.bistream.push_text(encode(text))
+            if utt.input_ended and not st.text_ended:
+                st.bistream.end_text()
+                st.text_ended = True
+        utt.add_metric("frontend_s", time.perf_counter() - started)
+
+    def _normalize(self, utt: Utterance[Cv2State], text: str, split: bool) -> list[str]:
+        """The official normalisation (+ split); text with nothing to say gives no pieces."""
+        if not has_speech(text):
+            return []
+        try:
+            return text_normalize(text, self.model.text_frontend.encode, split=split)
+        except Exception:  # noqa: BLE001 - wetext asserts on some inputs: speak the raw text instead
+            logger.warning("utterance %s: text normalisation failed; using the raw text", utt.utterance_id)
+            return [text.strip()]
+
+    def _open_t2w(self, st: Cv2State) -> Token2WavStream:
+        speed = {"speed": st.speed} if st.speed != 1.0 else {}  # (only streams that honour it get it)
+        return self.model.token2wav_stream(
+            st.voice, self.schedule, generator=st.hift_generator, pcm_to_host=self.lane.to_host, **speed
+        )
+
+    def _start_segment(self, utterance_id: str, st: Cv2State) -> str:
+        """Prefill the next segment's LLM (or hand it to the streamer); returns its text (what its audio
+        will say)."""
+        assert st.segments
+        st.end_llm()
+        if st.t2w is not None:
+            st.t2w.release()
+        voice = st.voice
+        text_ids = st.segments.popleft()
+        st.segments_started += 1
+        if self.streamer is not None:
+            st.llm = self._stream_segment(f"{utterance_id}/{st.segments_started}", st, text_ids)
+        else:
+            st.llm = self.model.llm.prefill(
+                text_ids, st.prompt.text_ids, st.prompt.speech_ids,
+                sampling=self.options.sampling, generator=st.llm_generator,
+                prefix=voice.prefix if st.prompt.text_ids == voice.prefix.prompt_text_tokens else None,
+                kv=self.kv.acquire(),
+            )  # fmt: skip
+            if self.options.max_segment_tokens is not None:
+                st.llm.max_len = min(st.llm.max_len, self.options.max_segment_tokens)
+        st.llm_steps = 0
+        st.t2w = self._open_t2w(st)
+        return st.segment_texts.popleft() if st.segment_texts else ""
+
+    def _stream_segment(self, request_id: str, st: Cv2State, text_ids: list[int]) -> StreamedSession:
+        """Submit one segment to the streamer: its prompt embeddings and the length rules of `prefill`."""
+        assert self.streamer is not None
+        n_text = len(text_ids)
+        max_len = int(n_text * MAX_TOKEN_TEXT_RATIO)
+        if self.options.max_segment_tokens is not None:
+            max_len = min(max_len, self.options.max_segment_tokens)
+        embeds = self.model.llm.lm_input(text_ids, st.prompt.text_ids, st.prompt.speech_ids)[0]
+        session = StreamedSession(
+            request_id, self.streamer, int(n_text * MIN_TOKEN_TEXT_RATIO), max_len, wake=self._wake
+        )
+        seed = st.llm_seed + st.segments_started - 1
+        self.streamer.submit(request_id, embeds, session.min_len, max_len, session.push, seed=seed)
+        return session
+
+    # ---- LLM decode, batched across utterances ------------------------------------------------
+
+    def _run_decode(self, batch: Sequence[Cv2Job]) -> list[StepResult]:
+        """Up to `decode_burst` batched LLM steps; a row leaves when its chunk is ready or it must wait.
+        Streamed rows take what their streamer sent (no model work) and leave when it is used up."""
+        errors: dict[int, BaseException] = {}
+        active = list(range(len(batch)))
+        for _ in range(self.options.decode_burst):
+            local: list[int] = []
+            still: list[int] = []
+            for i in active:
+                st = self._state(batch[i])
+                if isinstance(st.llm, StreamedSession):
+                    try:
+                        took, token = st.llm.take()
+                    except Exception as exc:  # noqa: BLE001 - the streamer failed this utterance only
+                        errors[i] = exc
+                        continue
+                    if took and self._took_token(batch[i].utt, st, token, 0.0, time.perf_counter()):
+                        still.append(i)
+                else:
+                    local.append(i)
+            if local:
+                still += self._decode_local(batch, local, errors)
+            active = sorted(still)
+            if not active:
+                break
+        return [errors.get(i, SynthStep(sample_rate_hz=SAMPLE_RATE_HZ)) for i in range(len(batch))]
+
+    def _decode_local(
+        self, batch: Sequence[Cv2Job], rows: list[int], errors: dict[int, BaseException]
+    ) -> list[int]:
+        """One batched step of the rows decoding on this thread; the rows that may go on."""
+        sessions: list[LlmSession | BistreamSession] = []
+        for i in rows:
+            st = self._state(batch[i])
+            session = st.llm if st.llm is not None else st.bistream
+            assert session is not None and not isinstance(session, StreamedSession)
+            sessions.append(session)
+        started = time.perf_counter()
+        tokens = decode_batch(self.model.llm, sessions, self.graphs)
+        now = time.perf_counter()
+        self.stats["decode_batches"] += 1
+        self.stats["decode_rows"] += len(rows)
+        share = (now - started) / len(rows)
+        still = []
+        for i, token in zip(rows, tokens, strict=True):
+            if isinstance(token, BaseException):
+                errors[i] = token
+            elif self._took_token(batch[i].utt, self._state(batch[i]), token, share, now):
+                still.append(i)
+        return still
+
+    def _took_token(
+        self, utt: Utterance[Cv2State], st: Cv2State, token: int | None, share_s: float, now: float
+    ) -> bool:
+        """Account one decode step of `utt`; True if it may decode again in this burst."""
+        assert st.t2w is not None
+        prefill = st.llm_steps == 0
+        st.llm_steps += 1
+        utt.add_metric("llm_prefill_s" if prefill else "llm_decode_s", share_s)
+        if prefill and st.first_hop_at_s is None:
+            st.first_hop_at_s = now
+        cap = self.options.max_segment_tokens
+        if st.bistream is not None and cap is not None and len(st.t2w.tokens) + 1 >= cap:
+            st.bistream.finished = True
+        if token is not None:
+            st.t2w.add_tokens([token])
+        session = st.llm if st.llm is not None else st.bistream
+        llm_over = session is not None and session.finished
+        if llm_over and session is not None and isinstance(session.cache, KVSlot):
+            session.cache.release()  # the slot is free for another utterance now
+        if st.t2w.ready():
+            self._note_first_hop(utt, st)
+            return False
+        return not llm_over and not (st.bistream is not None and st.bistream.needs_text)
+
+    def _note_first_hop(self, utt: Utterance[Cv2State], st: Cv2State) -> None:
+        if not st.first_hop_recorded and st.first_hop_at_s is not None:
+            st.first_hop_recorded = True
+            utt.add_metric("decode_first_hop_s", time.perf_counter() - st.first_hop_at_s)
+
+    # ---- flow, batched across utterances of equal advance -------------------------------------
+
+    def _run_flow(self, batch: Sequence[Cv2Job]) -> list[StepResult]:
+        size = max(1, self.options.max_batch)
+        results: list[StepResult] = []
+        for start in range(0, len(batch), size):
+            results.extend(self._flow_group(batch[start : start + size]))
+        return results
+
+    def _flow_group(self, group: Sequence[Cv2Job]) -> list[StepResult]:
+        final = bool(getattr(group[0].work, "final", False))
+        whole = final and (
+            self.schedule.final_chunk == "reference" or any(self._state(j).speed != 1.0 for j in group)
+        )  # the reference's full-attention last call (or the only call of a non-streaming utterance)
+        if whole and len(group) > 1:
+            return [r for job in group for r in self._flow_group([job])]  # a whole-utterance recompute each
+        try:
+            t2ws = [self._t2w(job) for job in group]
+            plans = [t2w.plan(final=final) for t2w in t2ws]
+            flow_states = [_flow_state(job, t2w) for job, t2w in zip(group, t2ws, strict=True)]
+        except Exception as exc:  # noqa: BLE001 - a broken state: fail the members one by one
+            if len(group) == 1:
+                return [exc]
+            return [r for job in group for r in self._flow_group([job])]
+        saved = [state.clone() for state in flow_states] if len(group) > 1 else []
+        ready = [p for p in plans if p is not None]
+        started = time.perf_counter()
+        try:
+            if len(ready) != len(plans):
+                raise RuntimeError("flow chunk planned but not ready")
+            if whole:
+                mels = [t2ws[0].flow_mel(ready[0])]
+            else:
+                mels = self.model.flow.stream_step_batch(
+                    [p.new_tokens for p in ready], flow_states, finalize=final
+                )
+        except Exception as exc:  # noqa: BLE001 - retried alone below (or the lone member fails)
+            if len(group) == 1:
+                return [exc]
+            logger.warning("batched flow step failed; retrying its %d utterances one by one", len(group))
+            self.stats["batch_fallbacks"] += 1
+            for t2w, state in zip(t2ws, saved, strict=True):
+                t2w.flow_state = state
+            return [r for job in group for r in self._flow_group([job])]
+        flow_s = (time.perf_counter() - started) / len(group)
+        if len(group) > 1:
+            self.stats["batches"] += 1
+            self.stats["batched_chunks"] += len(group)
+        for job, plan, mel in zip(group, ready, mels, strict=True):
+            self._state(job).flowed = FlowedChunk(plan, mel, flow_s)
+        return [SynthStep(sample_rate_hz=SAMPLE_RATE_HZ) for _ in group]
+
+    def _t2w(self, job: Cv2Job) -> Token2WavStream:
+        t2w = self._state(job).t2w
+        if t2w is None or t2w.flow_state is None:
+            raise RuntimeError(f"utterance {job.utt.utterance_id}: no token2wav stream")
+        return t2w
+
+    # ---- vocoder ------------------------------------------------------------------------------
+
+    def _run_vocode(self, batch: Sequence[Cv2Job]) -> list[StepResult]:
+        """HiFT for every row in one forward (the scheduler batched equal vocoder lengths); if the batch
+        fails, each row is retried alone (its HiFT state is only written once its own row succeeded)."""
+        try:
+            states = [self._state(job) for job in batch]
+            flowed = [st.flowed for st in states]
+            t2ws = [st.t2w for st in states]
+            if any(f is None for f in flowed) or any(t is None for t in t2ws):
+                raise RuntimeError("vocoder unit planned without a flowed chunk")
+        except Exception as exc:  # noqa: BLE001 - isolated per utterance
+            return self._vocode_alone(batch) if len(batch) > 1 else [exc]
+        if len(batch) > 1:
+            saved = [_hift_snapshot(t) for t in t2ws]  # type: ignore[arg-type]
+        try:
+            chunks = vocode_batch(
+                t2ws,  # type: ignore[arg-type]
+                [f.plan for f in flowed],  # type: ignore[union-attr]
+                [f.mel for f in flowed],  # type: ignore[union-attr]
+                [f.flow_s for f in flowed],  # type: ignore[union-attr]
+                to_host=self.lane.to_host_async,
+            )
+        except Exception as exc:  # noqa: BLE001 - retried alone below (or the lone row fails)
+            if len(batch) == 1:
+                return [exc]
+            logger.warning("batched vocoder step failed; retrying its %d utterances one by one", len(batch))
+            for t2w, snapshot in zip(t2ws, saved, strict=True):
+                _hift_restore(t2w, snapshot)  # type: ignore[arg-type]
+            return self._vocode_alone(batch)
+        self.stats["vocode_batches"] += 1
+        results: list[StepResult] = []
+        for job, st, chunk in zip(batch, states, chunks, strict=True):
+            st.flowed = None
+            self._account(job.utt, chunk)
+            pcm = [chunk.pcm] if chunk.pcm.size else []
+            results.append(SynthStep(pcm=pcm, sample_rate_hz=SAMPLE_RATE_HZ))
+        return results
+
+    def _vocode_alone(self, batch: Sequence[Cv2Job]) -> list[StepResult]:
+        return [r for job in batch for r in self._run_vocode([job])]
+
+    def _account(self, utt: Utterance[Cv2State], chunk: Chunk) -> Chunk:
+        utt.add_metric("flow_s", chunk.flow_s)
+        utt.add_metric("vocoder_s", chunk.vocoder_s)
+        self.stats["chunks"] += 1
+        return chunk
+
+
+def _flow_state(job: Cv2Job, t2w: Token2WavStream) -> FlowStreamState:
+    if t2w.flow_state is None:
+        raise RuntimeError(f"utterance {job.utt.utterance_id}: no flow state")
+    return t2w.flow_state
+
+
+def _hift_snapshot(t2w: Token2WavStream) -> HiftStreamState | None:
+    state = t2w.hift_state
+    return None if state is None else replace(state)
+
+
+def _hift_restore(t2w: Token2WavStream, snapshot: HiftStreamState | None) -> None:
+    if snapshot is not None and t2w.hift_state is not None:
+        t2w.hift_state.__dict__.update(snapshot.__dict__)
+        t2w.finished = False
+
+
+def register_voice_command(
+    wav_path: str | Path, transcript: str, voice_id: str | None = None
+) -> Callable[[Backend], str]:
+    """An engine command (`EngineWorker.submit_command`) registering a zero-shot voice on the engine
+    thread, between steps; the future gets the voice id (or InputError for a bad prompt)."""
+
+    def register(backend: Backend) -> str:
+        if not isinstance(backend, CosyVoice2Backend):
+            raise InputError(f"the {backend.name} engine cannot register voices")
+        return backend.register_voice(wav_path, transcript, voice_id)
+
+    return register
+
+
+def llm_streamer(model: CosyVoice2Model, engine: EngineConfig) -> SpeechTokenStreamer | None:
+    """`[engine] llm`: None (torch, on the engine thread), our LLM on its own thread, or vLLM (CUDA)."""
+    if engine.llm == "thread":
+        return ThreadedSpeechLlm(model.llm)
+    if engine.llm == "vllm":
+        if model.device.type != "cuda":
+            raise ConfigError("engine.llm: vllm needs a CUDA device (engine.device)")
+        from voicertc.backends.cosyvoice.llm.vllm.runner import VllmSpeechLlm
+
+        # vLLM's attention backends serve half precision; fp32 would fall back to a slow one
+        dtype = "bfloat16" if engine.dtype == "float32" else engine.dtype
+        if dtype != engine.dtype:
+            logger.info("engine.llm = vllm: the speech LLM runs in bfloat16 on vLLM")
+        path = str(vllm_export_dir(engine))
+        return VllmSpeechLlm(path, dtype=dtype, ras=model.llm.sampling_params)
+    return None
+
+
+def create_backend(config: Config) -> CosyVoice2Backend:
+    """Load `config.engine.model_dir` on the configured device and wrap it as the engine backend."""
+    engine = config.engine
+    device = resolve_device(engine.device)
+    dtype = torch.float32  # CPU: float32, or bfloat16 when asked (float16 is CUDA-only)
+    if device.type == "cuda" or engine.dtype == "bfloat16":
+        dtype = DTYPES[engine.dtype]
+    model = load(engine.model_dir, device, dtype)
+    apply_accel(model, engine)  # [engine] estimator / compile / llm (nothing for the fp32 eager default)
+    s = config.schedule
+    schedule = ChunkSchedule(
+        first_hop_tokens=s.first_hop_tokens,
+        growth=s.growth,
+        max_hop_tokens=s.max_hop_tokens,
+        lookahead_tokens=s.lookahead_tokens,
+        grid_tokens=s.grid_tokens or None,
+        final_chunk=s.final_chunk,  # type: ignore[arg-type]
+    )
+    options = BackendOptions(cuda_graphs=engine.cuda_graphs, graph_rows=engine.max_batch)
+    streamer = llm_streamer(model, engine)
+    backend = CosyVoice2Backend(model, schedule, engine.voices_dir or None, options, streamer)
+    if streamer is not None:
+        streamer.start()
+    backend.warm_up()
+    return backend

@@ -1,0 +1,177 @@
+"""CosyVoice3Backend: the `cosyvoice3` engine, CosyVoice2's backend with v3's model, prompts and vocoder.
+
+Everything the engine core sees is CosyVoice2's (`CosyVoice2Backend`: the batched LLM decode on the slot
+KV cache, the batched flow estimator, the per-utterance state and its pure `plan`). What differs:
+* the model (`cosyvoice3.load`) and its token2wav stream (incremental causal HiFT);
+* the LLM prompt: CosyVoice3 needs `<|endofprompt|>`; voices without a transcript (cross-lingual, sft)
+  get "You are a helpful assistant.<|endofprompt|>" as prompt text, instruct2 puts the instruction
+  before it (as upstream's examples do);
+* text arriving as deltas: each complete sentence becomes its own LLM call (unistream, like a whole
+  text's pieces) instead of a bistream session (v3's fill / stop ids differ; not implemented);
+* vocoding: each utterance's HiFT runs alone (its state is a set of per-conv tails, not batched yet).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from voicertc.backends.cosyvoice.llm.v3 import ENDOFPROMPT_ID
+from voicertc.backends.cosyvoice.load.v3 import CosyVoice3Model, load
+from voicertc.backends.cosyvoice.serve.backend import DTYPES, SAMPLE_RATE_HZ, CosyVoice2Backend, Cv2Job
+from voicertc.backends.cosyvoice.serve.device_lane import resolve_device
+from voicertc.backends.cosyvoice.serve.modes import LlmPrompt, llm_prompt
+from voicertc.backends.cosyvoice.serve.state import Cv2State
+from voicertc.backends.cosyvoice.voice.text_v3 import DEFAULT_SYSTEM_PROMPT, ENDOFPROMPT
+from voicertc.backends.cosyvoice.voice.voices import Voice, voice_from_features
+from voicertc.config import Config
+from voicertc.engine.backend import StepResult, SynthStep
+from voicertc.engine.schedule import ChunkSchedule
+from voicertc.engine.utterance import Utterance
+from voicertc.engine.work import Finish, FlowChunk, Frontend, Prefill, Vocode, Work
+
+logger = logging.getLogger(__name__)
+
+
+def v3_prompt(voice: Voice, instruct: str, encode) -> LlmPrompt:  # noqa: ANN001 - tokenizer encode
+    """`modes.llm_prompt` with CosyVoice3's mandatory `<|endofprompt|>` in the prompt text."""
+    prompt = llm_prompt(voice, instruct, encode)
+    if prompt.mode == "instruct":
+        return prompt
+    system = tuple(encode(DEFAULT_SYSTEM_PROMPT + ENDOFPROMPT))
+    marker = system[-1]
+    if prompt.text_ids and marker in prompt.text_ids:
+        return prompt
+    return LlmPrompt(prompt.mode, system + prompt.text_ids, prompt.speech_ids)
+
+
+@dataclass
+class Cv3State(Cv2State):
+    """CosyVoice2's state; deltas become one unistream LLM call per sentence (no bistream)."""
+
+    def plan(self, utt: Utterance[Cv2State]) -> Work | None:
+        if self.done:
+            return None
+        if self.flowed is not None:
+            return Vocode(frames=self.flowed.mel.shape[2], final=self.flowed.plan.final)
+        if self.mode != "deltas":
+            return super().plan(utt)
+        if utt.text or (utt.input_ended and not self.text_ended):
+            return Frontend()
+        t2w = self.t2w
+        if t2w is not None and t2w.ready():
+            nxt = t2w.next_chunk()
+            assert nxt is not None
+            return FlowChunk(nxt[1])
+        if self.llm is not None and not self.llm.finished:
+            return self._decode()
+        if t2w is not None and (advance := t2w.final_advance()) is not None:
+            return FlowChunk(advance, final=True)
+        if self.segments:
+            return Prefill()
+        return Finish() if self.text_ended else None
+
+
+class CosyVoice3Backend(CosyVoice2Backend):
+    """The `cosyvoice3` engine backend (threading rules as CosyVoice2's)."""
+
+    name = "cosyvoice3"
+    features = frozenset({"instruct"})  # speed (non-streaming re-timing) is CosyVoice2's only
+    model: CosyVoice3Model
+
+    def warm_up(self) -> None:
+        """One LLM step and one flow + vocoder chunk before the engine reports ready (as CosyVoice2)."""
+        started = time.perf_counter()
+        flow = self.model.flow.cfg
+        voice = voice_from_features(
+            self.model, torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, flow.mel_bins),
+            torch.zeros(1, flow.spk_embed_dim), voice_id="warm-up", kind="sft",
+        )  # fmt: skip
+        with self.lane.compute():
+            slot = self.kv.acquire()
+            try:
+                self.model.llm.step(
+                    self.model.llm.prefill([ENDOFPROMPT_ID, 0, 1], sampling="greedy", kv=slot)
+                )
+            finally:
+                slot.release()
+            t2w = self.model.token2wav_stream(voice, self.schedule, pcm_to_host=self.lane.to_host)
+            try:
+                t2w.push([0] * (self.schedule.first_hop_tokens + self.schedule.lookahead_tokens))
+                t2w.finish()
+            finally:
+                t2w.release()
+        logger.info("cosyvoice3 warmed up in %.0f ms", 1000 * (time.perf_counter() - started))
+
+    def begin(self, utt: Utterance[Cv2State]) -> Cv2State:
+        voice = self.book.get(utt.voice)
+        options = getattr(utt, "options", None)
+        prompt = v3_prompt(voice, getattr(options, "instruct", ""), self.model.text_frontend.encode)
+        seed = self._seed(utt.utterance_id)
+        self._active[utt.utterance_id] = utt
+        return Cv3State(
+            voice=voice,
+            prompt=prompt,
+            llm_generator=torch.Generator(self.model.device).manual_seed(seed),
+            hift_generator=torch.Generator().manual_seed(seed + 1),
+        )
+
+    def _frontend(self, utt: Utterance[Cv2State], st: Cv2State) -> None:
+        started = time.perf_counter()
+        encode = self.model.text_frontend.encode
+        texts = st.take_text(utt)
+        if st.segments is None or st.segment_texts is None:
+            st.segments, st.segment_texts = deque(), deque()
+        for text in texts:
+            for piece in self._normalize(utt, text, split=st.mode == "whole"):
+                if ids := encode(piece):
+                    st.segments.append(ids)
+                    st.segment_texts.append(piece)
+        if st.mode == "deltas" and utt.input_ended:
+            st.text_ended = True
+        utt.add_metric("frontend_s", time.perf_counter() - started)
+
+    def _run_vocode(self, batch: Sequence[Cv2Job]) -> list[StepResult]:
+        """Each row's incremental HiFT alone (`Token2WavStreamV3.complete`)."""
+        results: list[StepResult] = []
+        for job in batch:
+            try:
+                st = self._state(job)
+                flowed, t2w = st.flowed, st.t2w
+                if flowed is None or t2w is None:
+                    raise RuntimeError("vocoder unit planned without a flowed chunk")
+                chunk = t2w.complete(flowed.plan, flowed.mel, flowed.flow_s)
+                st.flowed = None
+                self._account(job.utt, chunk)
+                results.append(
+                    SynthStep(pcm=[chunk.pcm] if chunk.pcm.size else [], sample_rate_hz=SAMPLE_RATE_HZ)
+                )
+            except Exception as exc:  # noqa: BLE001 - isolated per utterance
+                results.append(exc)
+        self.stats["vocode_batches"] += 1
+        return results
+
+
+def create_backend(config: Config) -> CosyVoice3Backend:
+    """Load `config.engine.model_dir` (CosyVoice3) on the configured device as the engine backend."""
+    engine = config.engine
+    device = resolve_device(engine.device)
+    dtype = DTYPES[engine.dtype] if device.type == "cuda" else torch.float32
+    model = load(engine.model_dir, device, dtype, check_frontend=True)
+    s = config.schedule
+    schedule = ChunkSchedule(
+        first_hop_tokens=s.first_hop_tokens,
+        growth=s.growth,
+        max_hop_tokens=s.max_hop_tokens,
+        lookahead_tokens=s.lookahead_tokens,
+        grid_tokens=s.grid_tokens or None,
+        final_chunk=s.final_chunk,  # type: ignore[arg-type]
+    )
+    backend = CosyVoice3Backend(model, schedule, engine.voices_dir or None)
+    backend.warm_up()
+    return backend

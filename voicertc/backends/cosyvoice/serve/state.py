@@ -1,0 +1,167 @@
+"""One utterance's CosyVoice2 synthesis state and the pure plan of its next unit of work.
+
+Runs on the engine thread. Text policy:
+* **whole text** — the utterance's input had ended when synthesis started (`say`, a whole speak
+  request): the official frontend normalises and splits it (`split_paragraph`), and every piece is its
+  own LLM call (unistream, prefilled from the voice's cached [sos, prompt text] prefix) with its own
+  token2wav stream, as the reference does;
+* **deltas** — text is still arriving (an agent's LLM output): `SentenceStream` cuts it into
+  sentences, each sentence is normalised, tokenised and pushed into one bistream LLM session (5 text :
+  15 speech interleaving), whose speech tokens feed one token2wav stream; so speech starts after the
+  first sentence, before the text stream ends.
+
+`plan` reads the state and the utterance's text and names the next unit (`voicertc.engine.work`); it
+changes nothing. Text is taken from the utterance only by the `Frontend` unit.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from voicertc.backends.cosyvoice.llm.bistream import BistreamSession
+from voicertc.backends.cosyvoice.llm.kv import KVSlot
+from voicertc.backends.cosyvoice.llm.qwen2lm import LlmSession
+from voicertc.backends.cosyvoice.llm.streamer import StreamedSession
+from voicertc.backends.cosyvoice.serve.modes import LlmPrompt
+from voicertc.backends.cosyvoice.serve.token2wav import ChunkPlan, Token2WavStream
+from voicertc.backends.cosyvoice.voice.text import SentenceStream
+from voicertc.backends.cosyvoice.voice.voices import Voice
+from voicertc.engine.utterance import Utterance
+from voicertc.engine.work import Decode, Finish, FlowChunk, Frontend, Prefill, Vocode, Work
+
+TextMode = Literal["whole", "deltas"]
+
+
+@dataclass
+class FlowedChunk:
+    """A chunk the flow has computed, waiting for the vocoder."""
+
+    plan: ChunkPlan
+    mel: Tensor  # [1, 80, F]
+    flow_s: float
+
+
+@dataclass
+class Cv2State:
+    """Everything one utterance holds (KV slot, flow/HiFT caches, text); freed by `release()`.
+
+    Invariants: at most one LLM session (`llm` for whole text, `bistream` for deltas) and one `t2w`
+    stream at a time; `flowed` is set between an utterance's `FlowChunk` and its `Vocode`.
+    """
+
+    voice: Voice
+    prompt: LlmPrompt  # the LLM prompt parts of this utterance's mode (modes.py)
+    llm_generator: torch.Generator
+    hift_generator: torch.Generator
+    speed: float = 1.0  # != 1: every segment is synthesized without streaming, then re-timed
+    mode: TextMode | None = None
+    segments: deque[list[int]] | None = None  # whole text: token ids of the pieces not yet spoken
+    segment_texts: deque[str] | None = None  # whole text: each segment's (normalised) text, for heard_text
+    splitter: SentenceStream = field(default_factory=SentenceStream)
+    text_ended: bool = False  # deltas: the bistream session has been told
+    llm: LlmSession | StreamedSession | None = None  # StreamedSession: `[engine] llm` decodes elsewhere
+    llm_seed: int = 0  # a streamed segment's sampling seed (llm_seed + segment number)
+    segments_started: int = 0
+    bistream: BistreamSession | None = None
+    t2w: Token2WavStream | None = None
+    flowed: FlowedChunk | None = None
+    done: bool = False
+    started_s: float | None = None  # worker clock at the first unit
+    llm_steps: int = 0  # LLM forwards of the current segment
+    first_hop_at_s: float | None = None  # perf_counter when the first prefill finished
+    first_hop_recorded: bool = False
+
+    def release(self) -> None:
+        """Drop every cache (KV slot, flow and HiFT state, the mel waiting for the vocoder)."""
+        self.end_llm()
+        if self.t2w is not None:
+            self.t2w.release()
+        self.t2w = None
+        self.flowed = None
+        self.segments = None
+        self.done = True
+
+    def end_llm(self) -> None:
+        """Give the LLM session's KV slot back (the session is over)."""
+        for session in (self.llm, self.bistream):
+            if isinstance(session, StreamedSession):
+                session.close()
+            elif session is not None and isinstance(session.cache, KVSlot):
+                session.cache.release()
+        self.llm = None
+        self.bistream = None
+
+    # ---- text intake (the Frontend unit; cheap, no model work) ---------------------------------
+
+    def take_text(self, utt: Utterance[Cv2State]) -> list[str]:
+        """Fix the text mode at the first text; delta text goes through the sentence splitter.
+
+        Returns the complete sentences (deltas) or the whole text (one item) now ready for the frontend.
+        """
+        if self.mode is None:
+            self.mode = "whole" if utt.input_ended else "deltas"
+        if self.mode == "whole":
+            return [utt.take_text()]
+        sentences = self.splitter.push(utt.take_text()) if utt.text else []
+        if utt.input_ended and not self.text_ended:
+            sentences.extend(self.splitter.flush())
+        return sentences
+
+    # ---- what next (pure) ---------------------------------------------------------------------
+
+    def plan(self, utt: Utterance[Cv2State]) -> Work | None:
+        """The unit that makes progress now, or None when only new text (or a streamed token) can help."""
+        if self.done:
+            return None
+        if self.flowed is not None:
+            hift = self.t2w.hift_state if self.t2w is not None else None
+            frames = self.flowed.mel.shape[2]
+            if hift is not None and hift.mel_cache is not None:
+                frames += hift.mel_cache.shape[2]
+            return Vocode(frames=frames, final=self.flowed.plan.final)
+        if self.mode is None:
+            return Frontend() if utt.input_ended or utt.text.strip() else None
+        if self.mode == "deltas" and (
+            self.bistream is None or utt.text or (utt.input_ended and not self.text_ended)
+        ):
+            return Frontend()
+        t2w = self.t2w
+        if t2w is not None and t2w.ready():
+            nxt = t2w.next_chunk()
+            assert nxt is not None
+            return FlowChunk(nxt[1])
+        if self.mode == "whole":
+            return self._whole_plan()
+        return self._deltas_plan()
+
+    def _decode(self) -> Decode:
+        nxt = self.t2w.next_chunk() if self.t2w is not None else None
+        return Decode(*nxt) if nxt is not None else Decode()
+
+    def _final_or_next(self, has_next: bool) -> Work:
+        """The segment's LLM is over: its final chunk, then the next segment (or the end)."""
+        if self.t2w is not None and (advance := self.t2w.final_advance()) is not None:
+            return FlowChunk(advance, final=True)
+        return Prefill() if has_next else Finish()
+
+    def _whole_plan(self) -> Work | None:
+        if self.segments is None:
+            return Frontend()
+        if self.llm is not None and not self.llm.finished:
+            if isinstance(self.llm, StreamedSession) and not self.llm.ready():
+                return None  # the streamer's next token wakes the worker
+            return self._decode()
+        if self.llm is None and self.t2w is None:
+            return Prefill() if self.segments else Finish()
+        return self._final_or_next(bool(self.segments))
+
+    def _deltas_plan(self) -> Work | None:
+        assert self.bistream is not None
+        if not self.bistream.finished:
+            return None if self.bistream.needs_text else self._decode()
+        return self._final_or_next(False)

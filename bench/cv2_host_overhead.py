@@ -24,7 +24,7 @@ from bench.cv2_load import pick_voice
 from bench.report import table, write_json
 from voicertc.backends.cosyvoice.llm import kv as llm_kv
 from voicertc.backends.cosyvoice.llm.qwen2lm import Qwen2LM
-from voicertc.backends.cosyvoice.load.v2 import load
+from voicertc.backends.cosyvoice.load import load_v2 as load
 from voicertc.backends.cosyvoice.serve.backend import BackendOptions, CosyVoice2Backend
 from voicertc.engine import Done, EngineEvent, Failed
 from voicertc.engine.worker import BatchReport, EngineWorker

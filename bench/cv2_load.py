@@ -29,8 +29,10 @@ from bench.make_full_model_dir import DEFAULT_OUT, make_full_model_dir
 from bench.report import summary, table, write_json
 from voicertc.audio import PcmRing, RingSink
 from voicertc.backends.cosyvoice.llm.streamer import ThreadedSpeechLlm
-from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model, load
+from voicertc.backends.cosyvoice.load import load_v2 as load
+from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model
 from voicertc.backends.cosyvoice.serve.backend import DTYPES, BackendOptions, CosyVoice2Backend
+from voicertc.backends.cosyvoice.voice.voices import voice_from_features
 from voicertc.engine import Done, EngineEvent, Failed, FirstAudio
 from voicertc.engine.worker import EngineWorker
 
@@ -80,7 +82,8 @@ def pick_voice(backend: CosyVoice2Backend, model: CosyVoice2Model) -> str:
     if backend.voices():
         return backend.voices()[0]
     gen = torch.Generator().manual_seed(11)
-    voice = model.voice_from_features(
+    voice = voice_from_features(
+        model,
         torch.randint(0, model.flow.cfg.vocab_size, (1, 75), generator=gen),
         torch.randn(1, 150, 80, generator=gen) - 3.0,
         torch.randn(1, 192, generator=gen),
@@ -154,7 +157,6 @@ def main() -> None:
     options = BackendOptions(
         seed=5,
         max_segment_tokens=args.max_tokens,
-        max_batch=max(args.concurrency),
         cuda_graphs=args.cuda_graphs,
         graph_rows=max(args.concurrency),
     )

@@ -148,6 +148,7 @@ def start_cluster(models: list[str], max_n: int) -> None:
     import ray
     from ray import serve
 
+    from voicertc.assemble import create_local_engine
     from voicertc.remote.client import apply_auth
     from voicertc.remote.deployment import build_app
     from voicertc.remote.loopback import loopback_init_options, not_a_cluster
@@ -160,7 +161,7 @@ def start_cluster(models: list[str], max_n: int) -> None:
         local, _ = configs(model)
         local = local.replace("limits", max_utterances=max_n + 8)
         local = local.replace("ray", num_replicas=1, num_cpus=1.0, max_ongoing_requests=4 * max_n + 16)
-        serve.run(build_app(local), name=f"bench-{model}", route_prefix=None)
+        serve.run(build_app(local, create_local_engine), name=f"bench-{model}", route_prefix=None)
 
 
 def measure(engine: Any, text: str, levels: list[int], runs: int, timeout_s: float) -> list[dict[str, Any]]:

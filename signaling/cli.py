@@ -101,9 +101,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(args)
     if args.command == "engine-serve":
+        from voicertc.assemble import create_local_engine
         from voicertc.remote.cli import run as run_engine_serve
 
-        return run_engine_serve(args)
+        return run_engine_serve(args, create_local_engine)
     try:
         config = resolve_config(args)
     except VoiceRTCError as exc:

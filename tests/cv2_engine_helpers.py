@@ -16,9 +16,10 @@ if str(REPO) not in sys.path:
 
 from bench.make_tiny_model_dir import SFT_VOICE as SFT_VOICE  # noqa: E402 - re-exported
 from bench.make_tiny_model_dir import make_tiny_model_dir  # noqa: E402
-from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model, load  # noqa: E402
+from voicertc.backends.cosyvoice.load import load_v2 as load  # noqa: E402
+from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model  # noqa: E402
 from voicertc.backends.cosyvoice.serve.backend import BackendOptions, CosyVoice2Backend  # noqa: E402
-from voicertc.backends.cosyvoice.voice.voices import Voice  # noqa: E402
+from voicertc.backends.cosyvoice.voice.voices import Voice, voice_from_features  # noqa: E402
 
 GOLDEN_VOICE = "golden"
 
@@ -40,7 +41,8 @@ def load_speaking_model(model_dir: Path) -> CosyVoice2Model:
 def golden_voice(model: CosyVoice2Model, golden_dir: Path, voice_id: str = GOLDEN_VOICE) -> Voice:
     """The golden flow prompt (17 tokens, 34 frames) as a voice without an LLM prompt."""
     tts = load_file(golden_dir / "cv2_tts_tiny_flow_tiny_hift.safetensors")
-    return model.voice_from_features(
+    return voice_from_features(
+        model,
         tts["in_prompt_token"], tts["in_prompt_feat"], tts["in_embedding"], voice_id=voice_id
     )
 

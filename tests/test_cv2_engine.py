@@ -146,8 +146,8 @@ def _rms(x: np.ndarray) -> float:
 
 def test_batched_equals_unbatched(model, golden_dir):
     jobs = [("a", GOLDEN_VOICE, LONG_TEXT), ("b", GOLDEN_VOICE, LONG_TEXT), ("c", SFT_VOICE, LONG_TEXT)]
-    batched = make_backend(model, golden_dir, max_segment_tokens=100, max_batch=3)
-    single = make_backend(model, golden_dir, max_segment_tokens=100, max_batch=1)
+    batched = make_backend(model, golden_dir, max_segment_tokens=100, flow_batch_rows=3)
+    single = make_backend(model, golden_dir, max_segment_tokens=100, flow_batch_rows=1)
     _, sinks_b = _run(batched, jobs)
     _, sinks_s = _run(single, jobs)
     assert batched.stats["batched_chunks"] >= 2 and single.stats["batched_chunks"] == 0

@@ -10,6 +10,8 @@ from safetensors.torch import load_file
 from torch.testing import assert_close
 
 from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model
+from voicertc.backends.cosyvoice.serve.streams import token2wav_stream
+from voicertc.backends.cosyvoice.voice.voices import voice_from_features
 from voicertc.engine import ChunkSchedule
 
 ATOL = 1e-4
@@ -29,8 +31,9 @@ def tts(golden_dir) -> dict[str, torch.Tensor]:
 
 
 def _run(model, tts, final_chunk: str):
-    voice = model.voice_from_features(tts["in_prompt_token"], tts["in_prompt_feat"], tts["in_embedding"])
-    stream = model.token2wav_stream(
+    voice = voice_from_features(model, tts["in_prompt_token"], tts["in_prompt_feat"], tts["in_embedding"])
+    stream = token2wav_stream(
+        model,
         voice,
         ChunkSchedule(final_chunk=final_chunk),  # type: ignore[arg-type]
         source_fn=lambda index: tts[f"stream_call{index}_hift_source"],

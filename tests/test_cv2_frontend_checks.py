@@ -10,7 +10,7 @@ import pytest
 import torch
 from cv2_engine_helpers import build_speaking_model_dir
 
-from voicertc.backends.cosyvoice.load.v2 import load
+from voicertc.backends.cosyvoice.load import load_v2 as load
 from voicertc.errors import ModelDirError
 
 torch.set_num_threads(2)

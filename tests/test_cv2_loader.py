@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 from voicertc.backends.cosyvoice.flow.flow import CausalFlow
 from voicertc.backends.cosyvoice.hift.generator import HiFTGenerator
 from voicertc.backends.cosyvoice.llm.qwen2lm import Qwen2LM
-from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model, load
+from voicertc.backends.cosyvoice.load import load_v2 as load
+from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model
 from voicertc.errors import ModelDirError
 
 torch.set_num_threads(2)

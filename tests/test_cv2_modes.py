@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from voicertc.backends.cosyvoice.serve.modes import instruct_text, llm_prompt, lm_input_segments
 from voicertc.backends.cosyvoice.voice.text import ENDOFPROMPT, V2_SPECIAL_TOKENS
+from voicertc.backends.cosyvoice.voice.voices import voice_from_features
 from voicertc.engine.protocol import Done, SpeakOptions
 from voicertc.engine.worker import EngineWorker
 from voicertc.errors import InputError
@@ -35,8 +36,8 @@ def voices(model, golden_dir):
     tts = load_file(golden_dir / "cv2_tts_tiny_flow_tiny_hift.safetensors")
     prompt = (tts["in_prompt_token"], tts["in_prompt_feat"], tts["in_embedding"])
     transcript_ids = model.text_frontend.encode("Hello world.")
-    zero_shot = model.voice_from_features(*prompt, transcript_ids, "zs", prompt_text="Hello world.")
-    cross = model.voice_from_features(*prompt, None, "xl")
+    zero_shot = voice_from_features(model, *prompt, transcript_ids, "zs", prompt_text="Hello world.")
+    cross = voice_from_features(model, *prompt, None, "xl")
     return zero_shot, cross
 
 
@@ -73,7 +74,8 @@ def test_each_mode_assembles_the_reference_input(model, voices):
         encode("用四川话说这句话<|endofprompt|>")
     )  # not doubled
 
-    sft = model.voice_from_features(
+    sft = voice_from_features(
+        model,
         torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, 80), torch.randn(1, 192)
     )
     assert llm_prompt(sft).mode == "sft" and lm_input_segments(llm_prompt(sft), tts)[3] == ("speech", ())

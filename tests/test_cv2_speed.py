@@ -15,6 +15,7 @@ from cv2_engine_helpers import (
 from engine_helpers import EventLog, RecordingSink
 from safetensors.torch import load_file
 
+from voicertc.backends.cosyvoice.serve.streams import token2wav_stream
 from voicertc.engine import ChunkSchedule, Done
 from voicertc.engine.protocol import SpeakOptions
 from voicertc.engine.worker import EngineWorker
@@ -34,7 +35,8 @@ def test_a_speed_change_is_one_retimed_full_attention_chunk(model, golden_dir, s
     tts = load_file(golden_dir / "cv2_tts_tiny_flow_tiny_hift.safetensors")
     voice = golden_voice(model, golden_dir)
     tokens = tts["in_token"]  # [1, N]
-    stream = model.token2wav_stream(
+    stream = token2wav_stream(
+        model,
         voice, ChunkSchedule(), generator=torch.Generator().manual_seed(0), speed=speed
     )
     assert stream.push(tokens) == []  # no chunk before the end: not streaming

@@ -11,7 +11,7 @@ import torch
 from cv2_engine_helpers import build_speaking_model_dir
 from safetensors.torch import load_file
 
-from voicertc.backends.cosyvoice.load.v2 import load
+from voicertc.backends.cosyvoice.load import load_v2 as load
 from voicertc.backends.cosyvoice.serve.backend import CosyVoice2Backend
 from voicertc.errors import InputError, UnknownVoiceError
 

@@ -8,8 +8,11 @@ import torch
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
-from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model, load
+from voicertc.backends.cosyvoice.load import load_v2 as load
+from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model
+from voicertc.backends.cosyvoice.serve.streams import token2wav_stream
 from voicertc.backends.cosyvoice.serve.token2wav import Token2WavStream
+from voicertc.backends.cosyvoice.voice.voices import voice_from_features
 from voicertc.engine import ChunkSchedule
 
 ATOL = 1e-4
@@ -38,7 +41,7 @@ def chunkmask_mel(golden_dir) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def voice(model, tts):
-    return model.voice_from_features(tts["in_prompt_token"], tts["in_prompt_feat"], tts["in_embedding"])
+    return voice_from_features(model, tts["in_prompt_token"], tts["in_prompt_feat"], tts["in_embedding"])
 
 
 def _golden_source(tts):
@@ -53,7 +56,7 @@ def _all_chunks(stream: Token2WavStream, tokens: torch.Tensor, step: int):
 
 
 def test_pushing_all_tokens_gives_the_official_streaming_chunks(model, voice, tts, chunkmask_mel):
-    stream = model.token2wav_stream(voice, ChunkSchedule(), source_fn=_golden_source(tts))
+    stream = token2wav_stream(model, voice, ChunkSchedule(), source_fn=_golden_source(tts))
     chunks = stream.push(tts["in_token"])
     assert [c.mel.shape[2] for c in chunks] == [66, 100, 200]
     for k, chunk in enumerate(chunks):
@@ -71,7 +74,7 @@ def test_a_short_first_hop_on_the_grid_gives_the_same_mel_sooner(model, voice, t
     """first_hop_tokens=5 on the 25-token grid: the 17-token prompt's first chunk ends at token 25, so it
     needs 8 + 3 tokens instead of the reference's 33 + 3; the whole mel is still the golden one."""
     schedule = ChunkSchedule(first_hop_tokens=5, grid_tokens=25)
-    stream = model.token2wav_stream(voice, schedule)
+    stream = token2wav_stream(model, voice, schedule)
     tokens = tts["in_token"][0].tolist()
     assert stream.push(tokens[:10]) == []
     first = stream.push(tokens[10:11])
@@ -83,12 +86,12 @@ def test_a_short_first_hop_on_the_grid_gives_the_same_mel_sooner(model, voice, t
 
 @pytest.fixture(scope="module")
 def whole(model, voice, tts):
-    return _all_chunks(model.token2wav_stream(voice, source_fn=_golden_source(tts)), tts["in_token"], 200)
+    return _all_chunks(token2wav_stream(model, voice, source_fn=_golden_source(tts)), tts["in_token"], 200)
 
 
 @pytest.mark.parametrize("step", [1, 7])
 def test_token_by_token_gives_the_same_chunks(model, voice, tts, whole, step):
-    pieces = _all_chunks(model.token2wav_stream(voice, source_fn=_golden_source(tts)), tts["in_token"], step)
+    pieces = _all_chunks(token2wav_stream(model, voice, source_fn=_golden_source(tts)), tts["in_token"], step)
     assert [c.mel.shape[2] for c in pieces] == [c.mel.shape[2] for c in whole]
     for a, b in zip(pieces, whole, strict=True):
         assert_close(a.mel, b.mel, atol=1e-5, rtol=0.0)
@@ -96,7 +99,7 @@ def test_token_by_token_gives_the_same_chunks(model, voice, tts, whole, step):
 
 
 def test_a_chunk_runs_exactly_when_its_lookahead_arrives(model, voice, tts):
-    stream = model.token2wav_stream(voice)
+    stream = token2wav_stream(model, voice)
     tokens = tts["in_token"][0].tolist()
     assert stream.push(tokens[:35]) == []  # first chunk: 8 pad + 25 hop + 3 lookahead = 36
     first = stream.push(tokens[35:36])
@@ -110,17 +113,17 @@ def test_every_stream_starts_with_the_first_hop(model, voice, tts):
     schedule = ChunkSchedule()
     tokens = tts["in_token"][0, :36].tolist()
     for _ in range(100):
-        stream = model.token2wav_stream(voice, schedule)
+        stream = token2wav_stream(model, voice, schedule)
         stream.add_tokens(tokens)
         plan = stream.plan()
         assert plan is not None and plan.new_tokens.shape[1] == 36 and plan.end_tokens == 33
         stream.release()
-    stream = model.token2wav_stream(voice, schedule)
+    stream = token2wav_stream(model, voice, schedule)
     assert [c.mel.shape[2] for c in stream.push(tokens)] == [66]
 
 
 def test_release_frees_every_cache(model, voice, tts):
-    stream = model.token2wav_stream(voice)
+    stream = token2wav_stream(model, voice)
     stream.push(tts["in_token"][0, :100])
     assert stream.flow_state is not None and stream.flow_state.cache_bytes() > 0
     assert stream.hift_state is not None and stream.hift_state.mel_cache is not None
@@ -130,20 +133,20 @@ def test_release_frees_every_cache(model, voice, tts):
     with pytest.raises(ValueError, match="released"):
         stream.push([1, 2, 3])
     # the voice's cached prompt state is untouched
-    again = model.token2wav_stream(voice)
+    again = token2wav_stream(model, voice)
     assert len(again.push(tts["in_token"][0, :36])) == 1
 
 
 def test_finish_releases_and_empty_streams_emit_nothing(model, voice, tts):
-    stream = model.token2wav_stream(voice)
+    stream = token2wav_stream(model, voice)
     chunks = stream.push(tts["in_token"][0, :50]) + stream.finish()
     assert chunks[-1].final and stream.flow_state is None and stream.hift_state is None
     assert sum(c.mel.shape[2] for c in chunks) == 100
-    assert model.token2wav_stream(voice).finish() == []
+    assert token2wav_stream(model, voice).finish() == []
 
 
 def test_short_utterance_is_one_final_chunk(model, voice, tts):
-    stream = model.token2wav_stream(voice, generator=torch.Generator().manual_seed(0))
+    stream = token2wav_stream(model, voice, generator=torch.Generator().manual_seed(0))
     chunks = stream.push(tts["in_token"][0, :10]) + stream.finish()
     assert len(chunks) == 1 and chunks[0].final
     assert chunks[0].mel.shape[2] == 20 and len(chunks[0].pcm) == 20 * 480
@@ -151,6 +154,6 @@ def test_short_utterance_is_one_final_chunk(model, voice, tts):
 
 def test_schedule_off_the_flow_grid_is_rejected(model, voice):
     with pytest.raises(ValueError, match="multiples"):
-        model.token2wav_stream(voice, ChunkSchedule(first_hop_tokens=10, max_hop_tokens=40))
+        token2wav_stream(model, voice, ChunkSchedule(first_hop_tokens=10, max_hop_tokens=40))
     with pytest.raises(ValueError, match="lookahead"):
-        model.token2wav_stream(voice, ChunkSchedule(lookahead_tokens=2))
+        token2wav_stream(model, voice, ChunkSchedule(lookahead_tokens=2))

@@ -17,6 +17,7 @@ from bench.make_tiny_model_dir import SFT_VOICE
 from voicertc.backends.cosyvoice.llm.v3 import ENDOFPROMPT_ID
 from voicertc.backends.cosyvoice.serve.backend import BackendOptions
 from voicertc.backends.cosyvoice.serve.backend_v3 import CosyVoice3Backend, v3_prompt
+from voicertc.backends.cosyvoice.voice.voices import voice_from_features, voice_from_wav
 from voicertc.backends.cosyvoice3 import load
 from voicertc.engine import Done, FirstAudio
 from voicertc.engine.worker import EngineWorker
@@ -66,7 +67,8 @@ def test_whole_text_speaks_two_tokens_per_text_token(model):
 
 
 def test_every_prompt_carries_endofprompt(model):
-    sft = model.voice_from_features(
+    sft = voice_from_features(
+        model,
         torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, 80), torch.ones(1, 192)
     )
     encode = model.text_frontend.encode
@@ -106,7 +108,7 @@ def test_zero_shot_voice_from_a_recording(model, tmp_path):
     t = np.arange(2 * 24000) / 24000
     wav = (0.3 * np.sin(2 * np.pi * 180 * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t))).astype(np.float32)
     soundfile.write(str(tmp_path / "p.wav"), wav, 24000)
-    voice = model.voice_from_wav(tmp_path / "p.wav", "Hello world.")
+    voice = voice_from_wav(model, tmp_path / "p.wav", "Hello world.")
     assert voice.prompt_text.endswith("Hello world.") and ENDOFPROMPT_ID in voice.prompt_text_tokens
     assert voice.prompt_tokens == 50 and voice.prompt_feat.shape == (1, 100, 80)
     tokens = list(

@@ -8,6 +8,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from voicertc.backends.cosyvoice.serve.streams import token2wav_stream
+from voicertc.backends.cosyvoice.voice.voices import voice_from_features
 from voicertc.engine import ChunkSchedule
 
 MEL = {"atol": 1e-4, "rtol": 1e-4}
@@ -28,7 +30,7 @@ def tts(cv3_records):
 
 @pytest.fixture(scope="module")
 def voice(cv3_model, tts):
-    return cv3_model.voice_from_features(tts["in_prompt_token"], tts["in_prompt_feat"], tts["in_embedding"])
+    return voice_from_features(cv3_model, tts["in_prompt_token"], tts["in_prompt_feat"], tts["in_embedding"])
 
 
 def _pushed(stream, tokens, step):
@@ -40,7 +42,7 @@ def _pushed(stream, tokens, step):
 
 def test_official_stream_chunks_with_the_reference_final_chunk(cv3_model, voice, tts):
     source = lambda k: tts[f"stream_call{k}_hift_source"]  # noqa: E731 - the re-run's whole source
-    stream = cv3_model.token2wav_stream(voice, ChunkSchedule(final_chunk="reference"), source_fn=source)
+    stream = token2wav_stream(cv3_model, voice, ChunkSchedule(final_chunk="reference"), source_fn=source)
     chunks = _pushed(stream, tts["in_token"], 7)
     assert [c.mel.shape[2] for c in chunks] == [58, 100, 82]
     assert [len(c.pcm) for c in chunks] == [24000, 48000, 43200]
@@ -51,14 +53,14 @@ def test_official_stream_chunks_with_the_reference_final_chunk(cv3_model, voice,
 
 
 def test_official_stream_end_to_end_with_the_injected_noise(cv3_model, voice, tts):
-    stream = cv3_model.token2wav_stream(voice, ChunkSchedule(final_chunk="reference"))
+    stream = token2wav_stream(cv3_model, voice, ChunkSchedule(final_chunk="reference"))
     chunks = _pushed(stream, tts["in_token"], 120)
     for k, chunk in enumerate(chunks):
         assert_close(torch.from_numpy(chunk.pcm), tts[f"stream_call{k}_yield_speech"][0], **E2E)
 
 
 def test_pcm_length_contract_and_range(cv3_model, voice, tts):
-    stream = cv3_model.token2wav_stream(voice, ChunkSchedule(first_hop_tokens=5, grid_tokens=25))
+    stream = token2wav_stream(cv3_model, voice, ChunkSchedule(first_hop_tokens=5, grid_tokens=25))
     frames = samples = 0
     tokens = tts["in_token"][0].tolist()
     for start in range(0, len(tokens), 3):
@@ -74,7 +76,7 @@ def test_pcm_length_contract_and_range(cv3_model, voice, tts):
 
 
 def test_chunk_mask_final_chunk_gives_the_chunk_masked_mel(cv3_model, voice, tts, cv3_records):
-    stream = cv3_model.token2wav_stream(voice, ChunkSchedule())
+    stream = token2wav_stream(cv3_model, voice, ChunkSchedule())
     chunks = _pushed(stream, tts["in_token"], 50)
     mel = torch.cat([c.mel for c in chunks], dim=2)
     assert_close(mel, cv3_records("flow_nonstream.safetensors")["chunkmask_mel"], **MEL)
@@ -88,7 +90,7 @@ def _frames_per_chunk(cv3_model, voice, tokens: torch.Tensor) -> list[tuple[int,
     seen: list[int] = []
     hook = cv3_model.flow.decoder.estimator.register_forward_hook(lambda m, a, o: seen.append(a[0].shape[2]))
     try:
-        stream = cv3_model.token2wav_stream(voice, ChunkSchedule())
+        stream = token2wav_stream(cv3_model, voice, ChunkSchedule())
         work = []
         for start in range(0, tokens.shape[1], 50):
             for _chunk in stream.push(tokens[0, start : start + 50]):

@@ -17,7 +17,10 @@ from torch.testing import assert_close
 from voicertc.assemble import create_engine
 from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs
 from voicertc.backends.cosyvoice.llm.kv import SlotKV
-from voicertc.backends.cosyvoice.load.v2 import load, load_llm
+from voicertc.backends.cosyvoice.load import load_v2 as load
+from voicertc.backends.cosyvoice.load.v2 import load_llm
+from voicertc.backends.cosyvoice.serve.streams import token2wav_stream
+from voicertc.backends.cosyvoice.voice.voices import voice_from_features
 from voicertc.config import Config, EngineConfig
 from voicertc.engine import ChunkSchedule, Done, FirstAudio
 
@@ -28,8 +31,8 @@ def test_streaming_chunks_on_cuda_match_the_reference(tiny_model_dir, golden_dir
     tts = load_file(golden_dir / "cv2_tts_tiny_flow_tiny_hift.safetensors")
     chunkmask_mel = load_file(golden_dir / "flow_nonstream.safetensors")["chunkmask_mel"]
     model = load(tiny_model_dir, device="cuda", check_frontend=False)
-    voice = model.voice_from_features(tts["in_prompt_token"], tts["in_prompt_feat"], tts["in_embedding"])
-    stream = model.token2wav_stream(voice, ChunkSchedule())
+    voice = voice_from_features(model, tts["in_prompt_token"], tts["in_prompt_feat"], tts["in_embedding"])
+    stream = token2wav_stream(model, voice, ChunkSchedule())
     chunks = stream.push(tts["in_token"]) + stream.finish()
     for k, chunk in enumerate(chunks[:3]):
         expected = tts[f"stream_call{k}_flow_mel_after_offset_cut"]

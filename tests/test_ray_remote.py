@@ -30,6 +30,7 @@ from cv2_engine_helpers import make_tiny_model_dir  # noqa: E402
 
 from signaling.app import ENGINE, create_app  # noqa: E402
 from voicertc import __version__  # noqa: E402
+from voicertc.assemble import create_local_engine  # noqa: E402
 from voicertc.audio import PcmRing, RingSink  # noqa: E402
 from voicertc.config import Config, RayConfig  # noqa: E402
 from voicertc.engine.protocol import Cancelled, Done, EngineEvent, Failed, FirstAudio  # noqa: E402
@@ -90,8 +91,8 @@ def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[Path]:
         )
         serve.run_many(  # both apps' replicas start at once
             [
-                serve.RunTarget(build_app(fake), name=FAKE_APP, route_prefix=None),
-                serve.RunTarget(build_app(cv2), name=CV2_APP, route_prefix=None),
+                serve.RunTarget(build_app(fake, create_local_engine), name=FAKE_APP, route_prefix=None),
+                serve.RunTarget(build_app(cv2, create_local_engine), name=CV2_APP, route_prefix=None),
             ]
         )
         yield speaking_dir
@@ -371,7 +372,8 @@ async def test_two_cosyvoice2_replicas_share_one_gpu(cluster):
         engine={"backend": "cosyvoice2", "model_dir": str(cluster), "voices_dir": "", "device": "cuda"},
         ray={"num_replicas": 2, "num_gpus": 0.5, "num_cpus": 0.5},
     )
-    await asyncio.to_thread(serve.run, build_app(config), name="voicertc-cv2-gpu", route_prefix=None)
+    app = build_app(config, create_local_engine)
+    await asyncio.to_thread(serve.run, app, name="voicertc-cv2-gpu", route_prefix=None)
     try:
         with remote("voicertc-cv2-gpu") as eng:
             async with played_ring() as (_r1, sink1), played_ring() as (_r2, sink2):

@@ -1,4 +1,5 @@
-"""create_engine(config): the engine the config names, ready to `start()`.
+"""The composition root: `create_engine(config)` builds the engine the config names (fake | piper |
+cosyvoice2 | cosyvoice3 in-process, or the Ray client), ready to `start()`; nothing below imports it.
 
 The backend itself (model loading, onnxruntime sessions, a CUDA context) is built on the engine's
 worker thread when it starts, never on the caller's thread (the event loop).
@@ -7,6 +8,8 @@ worker thread when it starts, never on the caller's thread (the event loop).
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from voicertc.config import Config
 from voicertc.engine.backend import AnyBackend
@@ -81,3 +84,17 @@ def create_engine(config: Config, *, local: bool = False) -> Engine:
     if len(workers) == 1:
         return workers[0]
     return EnginePool(workers, max_utterances=config.limits.max_utterances)
+
+
+def create_local_engine(config: Config) -> Engine:
+    """The in-process engine of `config` whatever `engine.backend` says (what a Ray replica runs)."""
+    return create_engine(config, local=True)
+
+
+def app_builder(args: dict[str, str]) -> Any:
+    """`serve run voicertc.assemble:app_builder config=config.toml` (config optional)."""
+    from voicertc.config import load_config
+    from voicertc.remote.deployment import build_app
+
+    path = args.get("config")
+    return build_app(load_config(Path(path) if path else None), create_local_engine)

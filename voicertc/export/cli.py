@@ -23,7 +23,11 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     doctor = commands.add_parser(
         "doctor", help="check every accelerated path against eager fp32; print a report"
     )
-    doctor.add_argument("--model-dir", help="CosyVoice2 model directory (default: a tiny random one)")
+    doctor.add_argument(
+        "--model-dir",
+        required=True,
+        help="CosyVoice2 model directory (a tiny random one: python -m bench.make_tiny_model_dir OUT)",
+    )
     doctor.add_argument("--skip-tests", action="store_true", help="do not run the gpu-marked pytest suite")
     doctor.add_argument("--runs", type=int, default=3, help="timed runs per measurement")
     doctor.add_argument(

@@ -4,8 +4,9 @@ and prints a report to paste into a bug report (versions, device, each check PAS
 CPU: the vLLM export against our LLM (transformers, logits), the ONNX estimator and HiFT against the
 eager modules (ONNX Runtime, a streamed utterance), bf16 / torch.compile / ONNX speed and deviation.
 CUDA (additionally): the `gpu`-marked pytest suite, and the engine under load (bench.cv2_load: TTFA
-p50/p95 at 1/8/32 utterances, RTF, underrun frames). Without --model-dir it builds the tiny random
-directory of a source checkout (bench.make_tiny_model_dir).
+p50/p95 at 1/8/32 utterances, RTF, underrun frames; both need a source checkout's tests/ and bench/,
+run as subprocesses). The model directory is required: a real one, or the tiny random one a source
+checkout builds with `python -m bench.make_tiny_model_dir OUT` (the package never imports bench/).
 """
 
 from __future__ import annotations
@@ -202,18 +203,8 @@ def gpu_table(model_dir: Path) -> str:
     return "\n".join(tables)
 
 
-def tiny_model_dir(work: Path) -> Path:
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    try:
-        from bench.make_tiny_model_dir import make_tiny_model_dir
-    except ImportError as exc:
-        raise ValueError("no --model-dir given and no source checkout to build the tiny one") from exc
-    return make_tiny_model_dir(work / "tiny")
-
-
 def run_doctor(
-    model_dir: str | None, run_tests: bool = True, runs: int = 3, quick: bool = False, out: Any = None
+    model_dir: str, run_tests: bool = True, runs: int = 3, quick: bool = False, out: Any = None
 ) -> int:
     """Print the report; exit status 0 when no check FAILed."""
     import torch
@@ -221,9 +212,9 @@ def run_doctor(
     out = out or sys.stdout
     with tempfile.TemporaryDirectory(prefix="voicertc-doctor-") as tmp:
         work = Path(tmp)
-        directory = Path(model_dir) if model_dir else tiny_model_dir(work)
+        directory = Path(model_dir)
         lines = ["voicertc doctor", "== versions", *versions(), "== device", *device_lines()]
-        lines.append(f"== model {directory}{'' if model_dir else ' (tiny random, built now)'}")
+        lines.append(f"== model {directory}")
         onnx_dir = work / "onnx"
         checks = [
             _guard("vllm export", lambda: check_vllm_export(directory, work)),

@@ -16,9 +16,11 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from voicertc.config import BACKENDS, Config, load_config
+from voicertc.engine.protocol import Engine
 from voicertc.errors import VoiceRTCError
 
 
@@ -63,7 +65,7 @@ def engine_serve_config(args: argparse.Namespace) -> Config:
     return config
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, build_engine: Callable[[Config], Engine]) -> int:
     """Deploy; unless --detach, wait for SIGINT/SIGTERM and delete the app. Returns the exit status."""
     try:
         config = engine_serve_config(args)
@@ -72,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=config.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        deploy(config, local=args.local)
+        deploy(config, build_engine, local=args.local)
     except VoiceRTCError as exc:
         print(f"voicertc: {exc}", file=sys.stderr)
         return 1
@@ -91,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def deploy(config: Config, local: bool = False) -> None:
+def deploy(config: Config, build_engine: Callable[[Config], Engine], local: bool = False) -> None:
     """Connect (or with `local` start a loopback cluster), start Serve without HTTP proxies, deploy."""
     import ray
     from ray import serve
@@ -107,4 +109,4 @@ def deploy(config: Config, local: bool = False) -> None:
     else:
         connect_ray(config.ray)
     serve.start(proxy_location="Disabled")  # front-ends call replicas by handle; no HTTP ingress
-    serve.run(build_app(config), name=config.ray.app_name, route_prefix=None, blocking=False)
+    serve.run(build_app(config, build_engine), name=config.ray.app_name, route_prefix=None, blocking=False)

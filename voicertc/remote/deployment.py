@@ -1,18 +1,19 @@
 """The engine as a Ray Serve deployment: each replica runs today's engine (worker + backend).
 
-`EngineReplica` builds the configured model with `create_engine(config, local=True)` (Piper, fake,
-CosyVoice2; `engine.workers` threads) and serves many utterances at once: they meet in its worker,
-which batches what the backend can batch. Per utterance the front-end makes one streaming call,
-`stream(...)`, answered with the messages of `voicertc.remote.wire`; `control(...)` calls bring text
-deltas, the end of input and playout credit. When the front-end cancels the stream (interrupt, hang-up)
-or goes away, Serve cancels the generator and the utterance is cancelled in the worker at once.
+`EngineReplica` builds the configured model with the engine builder it is given (the composition root's
+`voicertc.assemble.create_local_engine`: Piper, fake, CosyVoice2/3; `engine.workers` threads) and serves
+many utterances at once: they meet in its worker, which batches what the backend can batch. Per utterance
+the front-end makes one streaming call, `stream(...)`, answered with the messages of
+`voicertc.remote.wire`; `control(...)` calls bring text deltas, the end of input and playout credit. When
+the front-end cancels the stream (interrupt, hang-up) or goes away, Serve cancels the generator and the
+utterance is cancelled in the worker at once.
 
 Flow control: an utterance's `StreamSink` has room only while the audio it sent is less than
 `max_ahead_ms` beyond what the front-end reported as played (`played_ms` credit), so a consumer that
 does not read never makes a replica produce more than that.
 
-`build_app(config)` is the Serve application (`voicertc engine-serve`, or `serve run
-voicertc.remote.deployment:app_builder config=config.toml`).
+`build_app(config, build_engine)` is the Serve application (`voicertc engine-serve`, or `serve run
+voicertc.assemble:app_builder config=config.toml`).
 """
 
 from __future__ import annotations
@@ -24,15 +25,13 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from voicertc import __version__
-from voicertc.assemble import create_engine
-from voicertc.config import Config, config_from_dict, load_config
-from voicertc.engine.protocol import Cancelled, Done, EngineEvent, Failed, FirstAudio, SpeakOptions
+from voicertc.config import Config, config_from_dict
+from voicertc.engine.protocol import Cancelled, Done, Engine, EngineEvent, Failed, FirstAudio, SpeakOptions
 from voicertc.errors import VoiceRTCError
 from voicertc.remote.wire import DEPLOYMENT_NAME, PROTOCOL, ROUTER_CLASS, Message, pcm_message
 
@@ -132,9 +131,9 @@ class StreamSink:
 class EngineReplica:
     """One replica: the configured engine, started in the constructor (model load), plus its streams."""
 
-    def __init__(self, config_data: dict[str, Any]) -> None:
+    def __init__(self, config_data: dict[str, Any], build_engine: Callable[[Config], Engine]) -> None:
         self.config: Config = config_from_dict(config_data)
-        self.engine = create_engine(self.config, local=True)
+        self.engine = build_engine(self.config)
         self.engine.start()
         self.replica_id = _replica_id()
         self.model = self.config.engine.model_name
@@ -346,8 +345,9 @@ def deployment_options(config: Config) -> dict[str, Any]:
     return options
 
 
-def build_app(config: Config, **overrides: Any) -> Any:
-    """The engine app for `serve.run` (`overrides` replace deployment options, e.g. num_replicas)."""
+def build_app(config: Config, build_engine: Callable[[Config], Engine], **overrides: Any) -> Any:
+    """The engine app for `serve.run`: replicas build their engine with `build_engine` (a module-level
+    function, pickled by reference); `overrides` replace deployment options, e.g. num_replicas."""
     from ray import serve
 
     local = dataclasses.replace(
@@ -355,10 +355,4 @@ def build_app(config: Config, **overrides: Any) -> Any:
     )
     options = {**deployment_options(config), **overrides}
     deployment = serve.deployment(EngineReplica)  # a class: a Deployment (the stubs pick the decorator)
-    return deployment.options(**options).bind(config_data(local))  # type: ignore[attr-defined]
-
-
-def app_builder(args: dict[str, str]) -> Any:
-    """`serve run voicertc.remote.deployment:app_builder config=config.toml` (config optional)."""
-    path = args.get("config")
-    return build_app(load_config(Path(path) if path else None))
+    return deployment.options(**options).bind(config_data(local), build_engine)  # type: ignore[attr-defined]

@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "load": "load.v2",
+    "load": "load:load_v2",
     "CosyVoice2Model": "load.v2",
     "Qwen2LM": "llm.qwen2lm",
     "LlmConfig": "llm.qwen2lm",
@@ -68,7 +68,8 @@ if TYPE_CHECKING:
         load_llm_state_dict,
     )
     from voicertc.backends.cosyvoice.llm.sampling import SamplingParams
-    from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model, load
+    from voicertc.backends.cosyvoice.load import load_v2 as load
+    from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model
     from voicertc.backends.cosyvoice.voice.text import (
         SentenceStream,
         TextFrontend,
@@ -79,7 +80,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
+    where = _EXPORTS.get(name)
+    if where is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"voicertc.backends.cosyvoice.{module}"), name)
+    module, _, attr = where.partition(":")  # "module" or "module:attribute" (a renamed export)
+    return getattr(importlib.import_module(f"voicertc.backends.cosyvoice.{module}"), attr or name)

@@ -88,13 +88,6 @@ def apply_accel(model: CosyVoice2Model, engine: EngineConfig) -> None:
         model.flow.decoder.estimator_runner = runner
     if engine.compile:
         compile_hot_modules(model, estimator=engine.estimator == "torch")
-    if engine.llm == "vllm":
-        if model.device.type != "cuda":
-            raise ConfigError("engine.llm: vllm needs a CUDA device")
-        raise ConfigError(
-            "engine.llm: the vLLM runner (voicertc.backends.cosyvoice.llm.vllm.runner) is not wired into the "
-            'engine\'s batched decode yet; use llm = "torch"'
-        )
     logger.info(
         "engine paths: dtype %s, estimator %s, compile %s, llm %s",
         engine.dtype,

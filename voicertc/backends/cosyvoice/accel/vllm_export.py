@@ -23,10 +23,10 @@ import torch
 from torch import Tensor
 
 from voicertc.backends.cosyvoice.llm.vllm.hf_model import ARCHITECTURE
+from voicertc.backends.cosyvoice.load.files import DTYPES
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODELING_FILE = "modeling_cosyvoice2.py"
 DROPPED_CONFIG_KEYS = ("bos_token_id", "eos_token_id", "architectures", "transformers_version", "auto_map")
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,21 +24,18 @@ from voicertc.backends.cosyvoice.flow.flow_v3 import CausalFlowV3, load_flow_v3_
 from voicertc.backends.cosyvoice.hift.causal import CausalHiFTGenerator, HiftV3Config, load_hift_v3_state_dict
 from voicertc.backends.cosyvoice.llm.qwen2lm import LlmConfig, build_llm
 from voicertc.backends.cosyvoice.llm.v3 import COSYVOICE3LM_TAG, CosyVoice3LM
-from voicertc.backends.cosyvoice.load.v2 import (
+from voicertc.backends.cosyvoice.load.files import (
     BLANKEN_DIR,
-    CosyVoice2Model,
-    _load_spk2info,
-    _load_weights,
+    check_tags,
+    cuda_settings,
+    load_spk2info,
+    load_weights,
+    read_config,
 )
-from voicertc.backends.cosyvoice.load.yaml_config import load_yaml, tag_of
+from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model
 from voicertc.backends.cosyvoice.voice.onnx_frontends import SpeechTokenizer
-from voicertc.backends.cosyvoice.voice.text_v3 import TextFrontendV3, with_endofprompt
+from voicertc.backends.cosyvoice.voice.text_v3 import TextFrontendV3
 from voicertc.errors import ModelDirError
-
-if TYPE_CHECKING:
-    from voicertc.backends.cosyvoice.serve.token2wav_v3 import Token2WavStreamV3
-    from voicertc.backends.cosyvoice.voice.voices import Voice
-    from voicertc.engine.schedule import ChunkSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -77,34 +73,6 @@ class CosyVoice3Model(CosyVoice2Model):
             self._speech_tokenizer = SpeechTokenizer(path)
         return self._speech_tokenizer
 
-    def voice_from_wav(self, path: str | Path, transcript: str, voice_id: str | None = None) -> Voice:
-        """A zero-shot voice; the transcript gets the v3 layout "<system><|endofprompt|><transcript>"
-        unless it already holds `<|endofprompt|>`."""
-        from voicertc.backends.cosyvoice.voice.voices import voice_from_wav
-
-        if not transcript or not transcript.strip():
-            return voice_from_wav(self, path, transcript, voice_id)  # the v2 error for an empty transcript
-        return voice_from_wav(self, path, with_endofprompt(transcript.strip()), voice_id)
-
-    def token2wav_stream(
-        self, voice: Voice, schedule: ChunkSchedule | None = None, **options: Any
-    ) -> Token2WavStreamV3:
-        """A per-utterance `Token2WavStreamV3` on `voice` (default `ChunkSchedule()`)."""
-        from voicertc.backends.cosyvoice.serve.token2wav_v3 import open_stream_v3
-        from voicertc.engine.schedule import ChunkSchedule
-
-        if not isinstance(self.hift, CausalHiFTGenerator):  # the v2 field type; `load` puts v3's there
-            raise TypeError(f"a CosyVoice3 model needs a CausalHiFTGenerator, not {type(self.hift).__name__}")
-        prompt = (voice.flow_prompt_tokens, voice.prompt_feat, voice.embedding)
-        return open_stream_v3(
-            self.flow,
-            self.hift,
-            voice.flow_state,
-            prompt,
-            schedule or ChunkSchedule(),
-            **options,
-        )
-
 
 def _check_directory(model_dir: Path) -> Path:
     if not model_dir.is_dir():
@@ -122,42 +90,23 @@ def _check_directory(model_dir: Path) -> Path:
     return yaml_path
 
 
-def _check_tags(config: dict[str, Any], yaml_path: Path) -> None:
-    for key, expected in EXPECTED_TAGS.items():
-        found = tag_of(config.get(key))
-        if found == expected:
-            continue
-        version = KNOWN_OTHER_TAGS.get(found)
-        what = f"a {version} class" if version else "something else"
-        raise ModelDirError(f"{yaml_path}: `{key}` is !{found or 'missing'} ({what}); expected !{expected}")
+def build(model_dir: Path, device: torch.device, dtype: torch.dtype) -> CosyVoice3Model:
+    """The networks of an official-layout CosyVoice3 directory; flow in `dtype`; LLM and HiFT in float32.
 
-
-def load(
-    model_dir: str | Path,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
-    *,
-    check_frontend: bool = False,
-) -> CosyVoice3Model:
-    """Load an official-layout CosyVoice3 directory; flow in `dtype`; LLM and HiFT in float32.
-
-    The LLM stays float32 whatever `dtype` says: upstream's fp16/bf16 LLM produces NaNs. With
-    `check_frontend` (what the engine uses) the tokenizer, `speech_tokenizer_v3.onnx` and
-    `campplus.onnx` are opened and smoke-run now, naming a missing or broken file."""
-    model_dir = Path(model_dir)
-    device = torch.device(device)
+    The LLM stays float32 whatever `dtype` says: upstream's fp16/bf16 LLM produces NaNs."""
+    if device.type == "cuda":
+        cuda_settings(dtype)
     yaml_path = _check_directory(model_dir)
-    blanken = model_dir / BLANKEN_DIR
-    config = load_yaml(yaml_path, overrides={"qwen_pretrain_path": str(blanken)})
-    _check_tags(config, yaml_path)
-    llm_cfg = LlmConfig.from_yaml(config["llm"], blanken / "config.json")
+    config = read_config(model_dir, yaml_path)
+    check_tags(config, yaml_path, EXPECTED_TAGS, KNOWN_OTHER_TAGS)
+    llm_cfg = LlmConfig.from_yaml(config["llm"], model_dir / BLANKEN_DIR / "config.json")
     llm_path = model_dir / "llm.pt"
-    llm = build_llm(llm_cfg, _load_weights(llm_path), str(llm_path), device, torch.float32, cls=CosyVoice3LM)
+    llm = build_llm(llm_cfg, load_weights(llm_path), str(llm_path), device, torch.float32, cls=CosyVoice3LM)
 
     flow = CausalFlowV3(FlowV3Config.from_yaml(config["flow"]))
-    load_flow_v3_state_dict(flow, _load_weights(model_dir / "flow.pt"), str(model_dir / "flow.pt"))
+    load_flow_v3_state_dict(flow, load_weights(model_dir / "flow.pt"), str(model_dir / "flow.pt"))
     hift = CausalHiFTGenerator(HiftV3Config.from_yaml(config["hift"]))
-    load_hift_v3_state_dict(hift, _load_weights(model_dir / "hift.pt"), str(model_dir / "hift.pt"))
+    load_hift_v3_state_dict(hift, load_weights(model_dir / "hift.pt"), str(model_dir / "hift.pt"))
 
     model = CosyVoice3Model(
         model_dir=model_dir,
@@ -165,19 +114,10 @@ def load(
         llm=llm,
         flow=flow.to(device=device, dtype=dtype).eval(),
         hift=hift.to(device=device).eval(),  # type: ignore[arg-type]
-        spk2info=_load_spk2info(model_dir / "spk2info.pt"),
+        spk2info=load_spk2info(model_dir / "spk2info.pt"),
         device=device,
         dtype=dtype,
     )
-    if check_frontend:
-        from voicertc.backends.cosyvoice.voice.frontend_checks import check_frontend as run_checks
-
-        run_checks(model)
-    logger.info(
-        "loaded CosyVoice3 from %s on %s (%s), %d spk2info entries",
-        model_dir,
-        device,
-        dtype,
-        len(model.spk2info),
-    )
+    logger.info("loaded CosyVoice3 from %s on %s (%s), %d spk2info entries", model_dir, device, dtype,
+                len(model.spk2info))  # fmt: skip
     return model

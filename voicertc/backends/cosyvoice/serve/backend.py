@@ -6,8 +6,9 @@ unit (`Cv2State.plan`, no side effects); `run(batch)` does a batch the scheduler
 * `Decode`    up to `decode_burst` LLM steps for every row at once (`llm_batch.decode_batch` on the
   static slot KV cache; each row samples with its own generator); a row leaves the burst when its next
   chunk becomes ready, its LLM ends, or it waits for text;
-* `FlowChunk` one estimator batch per `options.max_batch` rows of equal advance (if it fails, each row is
-  retried alone from a saved state, so only the utterance at fault fails);
+* `FlowChunk` one estimator batch of the rows `form_batch` gathered (at most `[engine] max_batch`) of
+  equal advance (if it fails, each row is retried alone from a saved state, so only the utterance at
+  fault fails);
 * `Vocode`    one HiFT forward for every row of equal vocoder length (`hift_batch.vocode_batch`: per-row
   caches and generators; every row's device->host copy is queued before the first wait);
 * `Frontend` / `Prefill` / `Finish` one utterance at a time (cheap transitions).
@@ -40,10 +41,13 @@ from voicertc.backends.cosyvoice.llm.kv import KVSlot, SlotKV
 from voicertc.backends.cosyvoice.llm.qwen2lm import MAX_TOKEN_TEXT_RATIO, MIN_TOKEN_TEXT_RATIO, LlmSession
 from voicertc.backends.cosyvoice.llm.sampling import SamplingMode
 from voicertc.backends.cosyvoice.llm.streamer import SpeechTokenStreamer, StreamedSession, ThreadedSpeechLlm
-from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model, load
+from voicertc.backends.cosyvoice.load import load_v2 as load
+from voicertc.backends.cosyvoice.load.files import torch_dtype
+from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model
 from voicertc.backends.cosyvoice.serve.device_lane import DeviceLane, resolve_device
 from voicertc.backends.cosyvoice.serve.modes import llm_prompt
 from voicertc.backends.cosyvoice.serve.state import Cv2State, FlowedChunk
+from voicertc.backends.cosyvoice.serve.streams import token2wav_stream
 from voicertc.backends.cosyvoice.serve.token2wav import Chunk, Token2WavStream
 from voicertc.backends.cosyvoice.voice.text import text_normalize
 from voicertc.backends.cosyvoice.voice.voices import Voice, VoiceBook, VoiceStore, voice_from_features
@@ -58,7 +62,6 @@ from voicertc.errors import ConfigError, InputError
 logger = logging.getLogger(__name__)
 
 SAMPLE_RATE_HZ = 24000
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -66,8 +69,7 @@ class BackendOptions:
     """Knobs that are not in config.toml (tests and benchmarks set them)."""
 
     decode_burst: int = 5  # LLM tokens per Decode unit at most
-    max_batch: int = 8  # utterances per estimator batch (1 = never batch)
-    batch_pull_tokens: int = 8  # (kept for callers; the worker's pull_tokens is the scheduler policy)
+    flow_batch_rows: int | None = None  # rows per estimator call at most (None = the scheduler's batch)
     kv_slots: int = 8  # LLM slot KV cache rows preallocated (doubles when full)
     kv_capacity: int = 512  # positions per row preallocated (doubles when needed)
     sampling: SamplingMode = "ras"
@@ -171,7 +173,7 @@ class CosyVoice2Backend:
                 self.model.llm.step(self.model.llm.prefill([0, 1, 2], sampling="greedy", kv=slot))
             finally:
                 slot.release()
-            t2w = self.model.token2wav_stream(voice, self.schedule, pcm_to_host=self.lane.to_host)
+            t2w = token2wav_stream(self.model, voice, self.schedule, pcm_to_host=self.lane.to_host)
             try:
                 t2w.push([0] * (self.schedule.first_hop_tokens + self.schedule.lookahead_tokens))
                 t2w.finish()
@@ -313,7 +315,8 @@ class CosyVoice2Backend:
 
     def _open_t2w(self, st: Cv2State) -> Token2WavStream:
         speed = {"speed": st.speed} if st.speed != 1.0 else {}  # (only streams that honour it get it)
-        return self.model.token2wav_stream(
+        return token2wav_stream(
+        self.model,
             st.voice, self.schedule, generator=st.hift_generator, pcm_to_host=self.lane.to_host, **speed
         )
 
@@ -442,7 +445,7 @@ class CosyVoice2Backend:
     # ---- flow, batched across utterances of equal advance -------------------------------------
 
     def _run_flow(self, batch: Sequence[Cv2Job]) -> list[StepResult]:
-        size = max(1, self.options.max_batch)
+        size = max(1, self.options.flow_batch_rows or len(batch))
         results: list[StepResult] = []
         for start in range(0, len(batch), size):
             results.extend(self._flow_group(batch[start : start + size]))
@@ -599,9 +602,7 @@ def create_backend(config: Config) -> CosyVoice2Backend:
     """Load `config.engine.model_dir` on the configured device and wrap it as the engine backend."""
     engine = config.engine
     device = resolve_device(engine.device)
-    dtype = torch.float32  # CPU: float32, or bfloat16 when asked (float16 is CUDA-only)
-    if device.type == "cuda" or engine.dtype == "bfloat16":
-        dtype = DTYPES[engine.dtype]
+    dtype = torch_dtype(engine.dtype, device)  # CPU: float32, or bfloat16 when asked
     model = load(engine.model_dir, device, dtype)
     apply_accel(model, engine)  # [engine] estimator / compile / llm (nothing for the fp32 eager default)
     s = config.schedule

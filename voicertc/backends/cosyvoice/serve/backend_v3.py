@@ -22,11 +22,14 @@ from dataclasses import dataclass
 import torch
 
 from voicertc.backends.cosyvoice.llm.v3 import ENDOFPROMPT_ID
-from voicertc.backends.cosyvoice.load.v3 import CosyVoice3Model, load
-from voicertc.backends.cosyvoice.serve.backend import DTYPES, SAMPLE_RATE_HZ, CosyVoice2Backend, Cv2Job
+from voicertc.backends.cosyvoice.load import load_v3 as load
+from voicertc.backends.cosyvoice.load.files import torch_dtype
+from voicertc.backends.cosyvoice.load.v3 import CosyVoice3Model
+from voicertc.backends.cosyvoice.serve.backend import SAMPLE_RATE_HZ, CosyVoice2Backend, Cv2Job
 from voicertc.backends.cosyvoice.serve.device_lane import resolve_device
 from voicertc.backends.cosyvoice.serve.modes import LlmPrompt, llm_prompt
 from voicertc.backends.cosyvoice.serve.state import Cv2State
+from voicertc.backends.cosyvoice.serve.streams import token2wav_stream
 from voicertc.backends.cosyvoice.voice.text_v3 import DEFAULT_SYSTEM_PROMPT, ENDOFPROMPT
 from voicertc.backends.cosyvoice.voice.voices import Voice, voice_from_features
 from voicertc.config import Config
@@ -100,7 +103,7 @@ class CosyVoice3Backend(CosyVoice2Backend):
                 )
             finally:
                 slot.release()
-            t2w = self.model.token2wav_stream(voice, self.schedule, pcm_to_host=self.lane.to_host)
+            t2w = token2wav_stream(self.model, voice, self.schedule, pcm_to_host=self.lane.to_host)
             try:
                 t2w.push([0] * (self.schedule.first_hop_tokens + self.schedule.lookahead_tokens))
                 t2w.finish()
@@ -161,7 +164,7 @@ def create_backend(config: Config) -> CosyVoice3Backend:
     """Load `config.engine.model_dir` (CosyVoice3) on the configured device as the engine backend."""
     engine = config.engine
     device = resolve_device(engine.device)
-    dtype = DTYPES[engine.dtype] if device.type == "cuda" else torch.float32
+    dtype = torch_dtype(engine.dtype, device, half_on_cpu=False)  # v3 on CPU: float32 only
     model = load(engine.model_dir, device, dtype, check_frontend=True)
     s = config.schedule
     schedule = ChunkSchedule(

@@ -265,6 +265,10 @@ class TextFrontend:
         """Normalised, split text: each entry is synthesised by its own LLM call."""
         return text_normalize(text, self.tokenizer.encode)
 
+    def prompt_transcript(self, transcript: str) -> str:
+        """A zero-shot prompt's transcript as the LLM prompt text holds it (v2: as written)."""
+        return transcript
+
 
 # ---- incremental splitting ----------------------------------------------------------------------------
 

@@ -50,6 +50,12 @@ class TextTokenizerV3(TextTokenizer):
 class TextFrontendV3(TextFrontend):
     tokenizer_class = TextTokenizerV3
 
+    def prompt_transcript(self, transcript: str) -> str:
+        """v3: "<system><|endofprompt|><transcript>" unless it already holds `<|endofprompt|>` (an empty
+        transcript stays empty, so it gets the v2 error)."""
+        text = transcript.strip()
+        return with_endofprompt(text) if text else transcript
+
 
 def with_endofprompt(prompt_text: str, system_prompt: str = DEFAULT_SYSTEM_PROMPT) -> str:
     """The v3 zero-shot prompt text: `prompt_text` unchanged if it already holds `<|endofprompt|>`, else

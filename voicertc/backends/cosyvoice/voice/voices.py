@@ -280,6 +280,8 @@ def voice_from_wav(
     """`voice_from_samples` of a prompt file (1-30 s; an id from the file name unless given)."""
     clip = read_prompt_wav(path)
     stem = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(path).stem)[:64].lstrip("_.-") or "voice"
+    if transcript:
+        transcript = model.text_frontend.prompt_transcript(transcript)
     return voice_from_samples(model, clip, transcript, voice_id or stem)
 
 

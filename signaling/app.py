@@ -36,7 +36,7 @@ from voicertc.webrtc.loopback import patch_aioice_loopback
 logger = logging.getLogger(__name__)
 
 CONFIG = web.AppKey("config", Config)
-ENGINE = web.AppKey("engine", object)
+ENGINE = web.AppKey("engine", Engine)
 ENGINE_START = web.AppKey("engine_start", asyncio.Future)
 METRICS = web.AppKey("metrics", Metrics)
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
@@ -169,12 +169,12 @@ async def _healthz(request: web.Request) -> web.Response:
     """Liveness for anyone; the engine, its voices and the caller's open calls only with a valid token
     (or when auth is off)."""
     engine = request.app[ENGINE]
-    running = bool(getattr(engine, "running", True))
+    running = engine.running
     body: dict[str, object] = {"status": "ok" if running else "engine_stopped"}
     caller = principal(request)
     if caller.sees_details:
         body["engine"] = request.app[CONFIG].engine.backend
-        body["voices"] = engine.voices()  # type: ignore[attr-defined]
+        body["voices"] = engine.voices()
         body["active_calls"] = request.app[REGISTRY].count_for(caller)
     return web.json_response(body, status=200 if running else 503)
 
@@ -188,10 +188,10 @@ async def _readyz(request: web.Request) -> web.Response:
     """Readiness: 200 once the engine has loaded and warmed up and accepts utterances; 503 + reason before
     (and after it stopped). `/healthz` is liveness."""
     engine = request.app[ENGINE]
-    ready = bool(getattr(engine, "ready", getattr(engine, "running", True)))
+    ready = engine.ready
     if ready:
         return web.json_response({"status": "ready", "engine": request.app[CONFIG].engine.backend})
-    reason = str(getattr(engine, "not_ready_reason", "") or "engine not ready")
+    reason = engine.not_ready_reason or "engine not ready"
     return web.json_response(
         {"status": "not_ready", "reason": reason, "engine": request.app[CONFIG].engine.backend},
         status=503,

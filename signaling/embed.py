@@ -137,7 +137,7 @@ class VoiceServer:
 
     @property
     def engine(self) -> Engine:
-        return self._app[ENGINE]  # type: ignore[return-value]
+        return self._app[ENGINE]
 
     async def next_call(self, timeout_s: float | None = None) -> AgentCall:
         """Wait for the next call to be answered (calls not taken yet come first)."""

@@ -42,8 +42,8 @@ class CallRegistry:
         self._new_call_arrived = asyncio.Event()
         metrics.active_calls = lambda: len(self.calls)
         metrics.live_calls = self._live_counters
-        metrics.engine_steps = lambda: getattr(engine, "step_stats", None)
-        metrics.engine_batches = lambda: getattr(engine, "batch_stats", None)
+        metrics.engine_steps = lambda: engine.step_stats
+        metrics.engine_batches = lambda: engine.batch_stats
 
     async def create(
         self,
@@ -56,7 +56,7 @@ class CallRegistry:
         """Answer an offer as a new call of `owner`: (call, answer SDP). 503 when `limits.max_calls` are
         open; 429 when this token (or, without auth, this client address) has `limits.max_pending_calls`
         calls that have not connected yet."""
-        if not getattr(self.engine, "running", True):
+        if not self.engine.running:
             raise EngineStoppedError("the engine is not running; no calls can be answered")
         limits = self.config.limits
         if len(self.calls) + self._reserved.total() >= limits.max_calls:

@@ -53,3 +53,9 @@ class EngineUnavailableError(EngineStoppedError):
     def __init__(self, message: str, retry_after_s: int = 5) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class NotSupportedError(VoiceRTCError):
+    """The engine cannot do this (e.g. Piper registering a voice)."""
+
+    code = "not_supported"

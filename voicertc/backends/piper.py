@@ -36,6 +36,7 @@ from voicertc.backends.phoneme_pieces import piece_texts, split_phonemes
 from voicertc.engine.backend import SynthStep
 from voicertc.engine.text_chunks import has_speech, next_text_chunk
 from voicertc.engine.utterance import Utterance
+from voicertc.engine.voice_book import BackendVoiceBook
 from voicertc.errors import ModelDirError
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class PiperBackend:
     """Piper VITS voice behind the engine's Backend protocol. Runs on the engine worker thread."""
 
     name = "piper"
+    features: frozenset[str] = frozenset()  # no instruct, no speed
+    voice_book: BackendVoiceBook | None = None  # built-in voices only
 
     def __init__(
         self,

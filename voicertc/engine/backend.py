@@ -12,14 +12,17 @@ Two shapes, every method on the engine worker thread (but `voices()`):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
 from voicertc.engine.utterance import Utterance
 from voicertc.engine.work import Job, Synth, Work
+
+if TYPE_CHECKING:
+    from voicertc.engine.voice_book import BackendVoiceBook
 
 S = TypeVar("S")
 
@@ -39,6 +42,8 @@ StepResult = SynthStep | BaseException
 
 class Backend(Protocol):
     name: str
+    features: frozenset[str]  # speak options it honours ("instruct", "speed")
+    voice_book: BackendVoiceBook | None  # registers/deletes voices (`engine.voice_book`), or None
 
     def voices(self) -> list[str]:
         """Voice ids (thread-safe snapshot; may be called from any thread)."""
@@ -67,8 +72,11 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
 class BatchBackend(Protocol[S]):
     name: str
+    features: frozenset[str]
+    voice_book: BackendVoiceBook | None
 
     def voices(self) -> list[str]: ...
 
@@ -86,9 +94,12 @@ class BatchBackend(Protocol[S]):
 
     def wake_at(self, utt: Utterance[S]) -> float | None: ...
 
-    # Optional: `bind_wake(wake)` — the worker passes its thread-safe `wake()` once the backend is
-    # built; a backend whose work arrives from another thread (a token streamer) calls it so that the
-    # worker, blocked on its queue, plans again. No backend polls.
+    def bind_wake(self, wake: Callable[[], None]) -> None:
+        """The worker's thread-safe `wake()`, given once the backend is built: a backend whose work
+        arrives from another thread (a token streamer) calls it so that the worker, blocked on its
+        queue, plans again (no backend polls). Others ignore it."""
+        ...
+
 
     def release(self, utt: Utterance[S]) -> None:
         """Free everything held for `utt` (exactly once, also on cancel and failure)."""
@@ -101,7 +112,7 @@ AnyBackend = Backend | BatchBackend[Any]  # what a worker runs: either shape
 
 
 def is_batch_backend(backend: object) -> bool:
-    return callable(getattr(backend, "plan", None)) and callable(getattr(backend, "run", None))
+    return isinstance(backend, BatchBackend)
 
 
 class StepBackendAdapter(Generic[S]):
@@ -110,6 +121,11 @@ class StepBackendAdapter(Generic[S]):
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.name = backend.name
+        self.features = backend.features
+        self.voice_book = backend.voice_book
+
+    def bind_wake(self, wake: Callable[[], None]) -> None:
+        """A simple backend's work only arrives through the worker's own queue: nothing to bind."""
 
     def voices(self) -> list[str]:
         return self.backend.voices()

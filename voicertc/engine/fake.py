@@ -16,6 +16,7 @@ from voicertc.config import FakeConfig
 from voicertc.engine.backend import SynthStep
 from voicertc.engine.text_chunks import has_speech, next_text_chunk
 from voicertc.engine.utterance import Utterance
+from voicertc.engine.voice_book import BackendVoiceBook
 from voicertc.engine.worker import EngineWorker
 
 SAMPLE_RATE_HZ = 24_000
@@ -45,6 +46,8 @@ class _FakeState:
 
 class FakeBackend:
     name = "fake"
+    features: frozenset[str] = frozenset()  # no instruct, no speed
+    voice_book: BackendVoiceBook | None = None  # built-in voices only
 
     def __init__(self, config: FakeConfig | None = None) -> None:
         self.config = config or FakeConfig()

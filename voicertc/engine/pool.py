@@ -22,7 +22,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from voicertc.engine.backend import Backend
 from voicertc.engine.batch_stats import BatchStats
@@ -36,8 +36,12 @@ from voicertc.engine.protocol import (
     SpeakOptions,
 )
 from voicertc.engine.step_stats import StepStats
+from voicertc.engine.voice_book import VoiceInfo
 from voicertc.engine.worker import EngineWorker
 from voicertc.errors import InputError
+
+if TYPE_CHECKING:
+    from voicertc.audio.decode import Clip
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +165,18 @@ class EnginePool:
     def submit_command(self, fn: Callable[[Backend], T]) -> Future[T]:
         """Run `fn(backend)` on the first worker's engine thread (see the module docstring)."""
         return self.workers[0].submit_command(fn)
+
+    def list_voices(self) -> Future[list[VoiceInfo]]:
+        return self.workers[0].list_voices()
+
+    def register_voice(
+        self, clip: Clip, transcript: str | None, voice_id: str | None, name: str
+    ) -> Future[VoiceInfo]:
+        """On the first worker (its voices dir is the pool's; the others load stored voices at start)."""
+        return self.workers[0].register_voice(clip, transcript, voice_id, name)
+
+    def delete_voice(self, voice_id: str) -> Future[None]:
+        return self.workers[0].delete_voice(voice_id)
 
     def broadcast_command(self, fn: Callable[[Backend], T]) -> list[Future[T]]:
         """Run `fn(backend)` on every worker's engine thread; one future per worker, in worker order."""

@@ -13,9 +13,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from voicertc.audio.decode import Clip
+    from voicertc.engine.batch_stats import BatchStats
+    from voicertc.engine.step_stats import StepStats
+    from voicertc.engine.voice_book import VoiceInfo
+
+T = TypeVar("T")
 
 # --- events: engine -> caller --------------------------------------------------------------------
 
@@ -167,13 +175,68 @@ class AudioSink(Protocol):
 
 
 class Engine(Protocol):
-    """Text in, PCM out, per utterance; one worker thread behind it."""
+    """Text in, PCM out, per utterance; one worker thread behind it (or a remote engine's client).
+
+    Everything here may be called from any thread; the engine's own thread runs the model. Callers
+    never probe for members: what an engine can do is declared (`supports`, the voice book)."""
 
     def start(self) -> None: ...
 
     def stop(self) -> None: ...
 
     def voices(self) -> list[str]: ...
+
+    @property
+    def running(self) -> bool:
+        """Started and not stopped (its worker thread alive, or the remote client connected)."""
+        ...
+
+    @property
+    def ready(self) -> bool:
+        """Loaded, warmed up and accepting utterances (`/readyz`)."""
+        ...
+
+    @property
+    def not_ready_reason(self) -> str:
+        """Why `ready` is false, in one line ("" when it is true)."""
+        ...
+
+    def resolve_voice(self, voice: str | None) -> str:
+        """The voice id to use for `voice` (None/"" = default); UnknownVoiceError names a bad one."""
+        ...
+
+    def supports(self, feature: str) -> bool:
+        """Whether the engine honours a speak option ("instruct", "speed")."""
+        ...
+
+    def submit_command(self, fn: Callable[[Any], T]) -> Future[T]:
+        """Run `fn(backend)` on the engine thread between steps (in-process engines; a remote one
+        fails the future with NotSupportedError)."""
+        ...
+
+    # --- the voice book: list / register / delete, each run on the engine thread ----------------------
+
+    def list_voices(self) -> Future[list[VoiceInfo]]:
+        """Every voice with what is known about it (`voice_book.builtin_info` for built-in ones)."""
+        ...
+
+    def register_voice(
+        self, clip: Clip, transcript: str | None, voice_id: str | None, name: str
+    ) -> Future[VoiceInfo]:
+        """A zero-shot voice from a decoded, checked clip (NotSupportedError where it cannot)."""
+        ...
+
+    def delete_voice(self, voice_id: str) -> Future[None]: ...
+
+    @property
+    def step_stats(self) -> StepStats | None:
+        """Engine step times (/metrics), None where the steps run elsewhere."""
+        ...
+
+    @property
+    def batch_stats(self) -> BatchStats | None:
+        """Batch sizes per stage (/metrics), None where the batches run elsewhere."""
+        ...
 
     @property
     def open_count(self) -> int:

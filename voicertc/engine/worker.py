@@ -21,10 +21,14 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from voicertc.audio.decode import Clip
+
+from voicertc.engine import voice_book
 from voicertc.engine.backend import (
     AnyBackend,
     Backend,
@@ -56,6 +60,7 @@ from voicertc.engine.protocol import (
 from voicertc.engine.scheduler import form_batch, sink_heads
 from voicertc.engine.step_stats import StepStats
 from voicertc.engine.utterance import Utterance
+from voicertc.engine.voice_book import VoiceInfo
 from voicertc.engine.work import Job, stage_name
 from voicertc.errors import (
     EngineStoppedError,
@@ -118,7 +123,7 @@ class EngineWorker:
             raise ValueError("give exactly one of backend and backend_factory")
         self.backend: AnyBackend | None = backend  # set on the worker thread if lazy
         self._backend_factory = backend_factory
-        self.name = name or getattr(backend, "name", "engine")
+        self.name = name or (backend.name if backend is not None else "engine")
         self.default_voice = default_voice
         self.max_text_chars = max_text_chars
         self.max_utterances = max_utterances
@@ -187,7 +192,7 @@ class EngineWorker:
 
     def supports(self, feature: str) -> bool:
         """Whether the backend honours a speak option ("instruct", "speed"); any thread."""
-        return feature in getattr(self.backend, "features", frozenset())
+        return self.backend is not None and feature in self.backend.features
 
     @property
     def not_ready_reason(self) -> str:
@@ -283,6 +288,17 @@ class EngineWorker:
             self._queue.put(RunCommand(fn, future))
         return future
 
+    def list_voices(self) -> Future[list[VoiceInfo]]:
+        return self.submit_command(voice_book.list_voices)
+
+    def register_voice(
+        self, clip: Clip, transcript: str | None, voice_id: str | None, name: str
+    ) -> Future[VoiceInfo]:
+        return self.submit_command(lambda b: voice_book.register_voice(b, clip, transcript, voice_id, name))
+
+    def delete_voice(self, voice_id: str) -> Future[None]:
+        return self.submit_command(lambda b: voice_book.delete_voice(b, voice_id))
+
     def wake(self) -> None:
         self._queue.put(Wake())
 
@@ -320,9 +336,9 @@ class EngineWorker:
             if self._backend_factory is not None:
                 self.backend = self._backend_factory()
                 self._batch_backend = as_batch_backend(self.backend)
-            bind_wake = getattr(self.backend, "bind_wake", None)
-            if callable(bind_wake):  # a backend fed from another thread (a token streamer) wakes us
-                bind_wake(self.wake)
+            if self._batch_backend is None:
+                raise EngineStoppedError(f"engine {self.name}: no backend")
+            self._batch_backend.bind_wake(self.wake)  # a backend fed from another thread wakes us
             return True
         except BaseException as exc:  # noqa: BLE001 - re-raised by start() on the caller's thread
             logger.error("engine %s: backend failed to load: %s", self.name, exc)

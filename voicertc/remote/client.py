@@ -30,8 +30,9 @@ import uuid
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -47,9 +48,17 @@ from voicertc.engine.protocol import (
     FirstAudio,
     SpeakOptions,
 )
-from voicertc.errors import EngineUnavailableError, InputError, UnknownVoiceError
+from voicertc.engine.voice_book import VoiceInfo, builtin_info
+from voicertc.errors import EngineUnavailableError, InputError, NotSupportedError, UnknownVoiceError
 from voicertc.remote import affinity
 from voicertc.remote.wire import PROTOCOL, check_versions, pcm_from_message
+
+if TYPE_CHECKING:
+    from voicertc.audio.decode import Clip
+    from voicertc.engine.batch_stats import BatchStats
+    from voicertc.engine.step_stats import StepStats
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -230,6 +239,34 @@ class RemoteEngine:
     def supports(self, feature: str) -> bool:
         """Whether the replicas honour a speak option ("instruct", "speed"), as their info says."""
         return feature in self._features
+
+    def submit_command(self, fn: Callable[[Any], T]) -> Future[T]:
+        """Engine commands run in-process only: the replicas' backends are not reachable from here."""
+        return _failed(NotSupportedError("engine commands are not supported by the remote engine"))
+
+    def list_voices(self) -> Future[list[VoiceInfo]]:
+        """The voices the replicas reported (built-in descriptions)."""
+        done: Future[list[VoiceInfo]] = Future()
+        done.set_result([builtin_info(v) for v in self._voices])
+        return done
+
+    def register_voice(
+        self, clip: Clip, transcript: str | None, voice_id: str | None, name: str
+    ) -> Future[VoiceInfo]:
+        return _failed(NotSupportedError("registering voices is not supported by the remote engine yet"))
+
+    def delete_voice(self, voice_id: str) -> Future[None]:
+        if voice_id in self._voices:
+            return _failed(NotSupportedError("deleting voices is not supported by the remote engine yet"))
+        return _failed(UnknownVoiceError(f"unknown voice {voice_id!r}"))
+
+    @property
+    def step_stats(self) -> StepStats | None:
+        return None  # the steps run in the replicas (their own metrics)
+
+    @property
+    def batch_stats(self) -> BatchStats | None:
+        return None
 
     def open_utterance(
         self,
@@ -671,3 +708,9 @@ def connect_ray(ray_config: RayConfig) -> bool:
             f"cannot reach the Ray cluster at {ray_config.address!r} (ray.address): {error[0]}"
         ) from error[0]
     return True
+
+
+def _failed(exc: BaseException) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_exception(exc)
+    return future

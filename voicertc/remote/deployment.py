@@ -155,8 +155,7 @@ class EngineReplica:
         }
 
     def _supports(self, feature: str) -> bool:
-        supports = getattr(self.engine, "supports", None)
-        return bool(supports(feature)) if supports is not None else False
+        return self.engine.supports(feature)
 
     async def stream(
         self,

@@ -64,12 +64,11 @@ def speak_options(engine: Engine, instruct: object = None, speed: object = None)
     )
     if not MIN_SPEED <= options.speed <= MAX_SPEED:
         raise InputError(f'"speed" must be {MIN_SPEED:g}..{MAX_SPEED:g}')
-    supports = getattr(engine, "supports", None)
     if options.instruct:
         check_text(options.instruct, "instruct")
-        if supports is None or not supports("instruct"):
+        if not engine.supports("instruct"):
             raise OptionNotSupportedError("instruct is not supported by this engine (CosyVoice2 only)")
-    if options.speed != 1.0 and (supports is None or not supports("speed")):
+    if options.speed != 1.0 and not engine.supports("speed"):
         raise SpeedNotSupportedError(
             "speed is applied only in non-streaming synthesis (as in the reference), which this engine "
             "does not do: only speed 1.0 is accepted"
@@ -157,11 +156,9 @@ class SpeechQueue:
             if len(text) > self.max_text_chars:
                 raise TextTooLongError(f"text too long: {len(text)} characters (limit {self.max_text_chars})")
             check_text(text)
-        if not getattr(self.engine, "running", True):
+        if not self.engine.running:
             raise EngineStoppedError("the engine is not running")
-        resolve_voice = getattr(self.engine, "resolve_voice", None)
-        if resolve_voice is not None:
-            resolve_voice(voice)
+        self.engine.resolve_voice(voice)
 
     def speak(
         self, text: str | AsyncIterable[str], voice: str | None = None, options: SpeakOptions | None = None
@@ -193,9 +190,8 @@ class SpeechQueue:
         predecessor frees; cancelled utterances stop counting at once (`Engine.open_count`)."""
         if self._active is not None or self._queue:
             return
-        open_count = getattr(self.engine, "open_count", None)
-        limit = getattr(self.engine, "max_utterances", None)
-        if isinstance(open_count, int) and isinstance(limit, int) and open_count >= limit:
+        open_count, limit = self.engine.open_count, self.engine.max_utterances
+        if open_count >= limit:
             raise EngineBusyError(
                 f"the engine has {open_count} open utterances (limits.max_utterances = {limit}); retry soon"
             )

@@ -56,6 +56,7 @@ from voicertc.engine.backend import Backend, StepResult, SynthStep
 from voicertc.engine.schedule import ChunkSchedule
 from voicertc.engine.text_chunks import has_speech
 from voicertc.engine.utterance import Utterance
+from voicertc.engine.voice_book import BackendVoiceBook
 from voicertc.engine.work import Decode, Finish, FlowChunk, Frontend, Job, Prefill, Vocode, Work
 from voicertc.errors import ConfigError, InputError
 
@@ -101,6 +102,7 @@ class CosyVoice2Backend:
         self.schedule = schedule or ChunkSchedule()
         self.options = options or BackendOptions()
         self.book = VoiceBook(model, VoiceStore(voices_dir) if voices_dir else None)
+        self.voice_book: BackendVoiceBook | None = self  # register_clip / voice_infos / delete_voice
         self.lane = DeviceLane(model.device)
         slots = self.options.kv_slots
         if self.options.cuda_graphs:  # every bucket's rows + the graphs' scratch row, without growing
@@ -187,14 +189,14 @@ class CosyVoice2Backend:
 
     def begin(self, utt: Utterance[Cv2State]) -> Cv2State:
         voice = self.book.get(utt.voice)
-        options = getattr(utt, "options", None)
-        prompt = llm_prompt(voice, getattr(options, "instruct", ""), self.model.text_frontend.encode)
+        options = utt.options
+        prompt = llm_prompt(voice, options.instruct, self.model.text_frontend.encode)
         seed = self._seed(utt.utterance_id)
         self._active[utt.utterance_id] = utt
         return Cv2State(
             voice=voice,
             prompt=prompt,
-            speed=float(getattr(options, "speed", 1.0)),
+            speed=options.speed,
             llm_generator=torch.Generator(self.model.device).manual_seed(seed),
             llm_seed=seed,
             hift_generator=torch.Generator().manual_seed(seed + 1),

@@ -113,8 +113,8 @@ class CosyVoice3Backend(CosyVoice2Backend):
 
     def begin(self, utt: Utterance[Cv2State]) -> Cv2State:
         voice = self.book.get(utt.voice)
-        options = getattr(utt, "options", None)
-        prompt = v3_prompt(voice, getattr(options, "instruct", ""), self.model.text_frontend.encode)
+        options = utt.options
+        prompt = v3_prompt(voice, options.instruct, self.model.text_frontend.encode)
         seed = self._seed(utt.utterance_id)
         self._active[utt.utterance_id] = utt
         return Cv3State(

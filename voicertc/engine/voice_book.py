@@ -1,0 +1,69 @@
+"""The voice-book capability: list, register and delete voices, as engine commands.
+
+A backend that keeps voices of its own declares `voice_book` (an object with the three methods of
+`BackendVoiceBook`, usually the backend itself); one that does not (Piper, the fake) declares None and
+still lists its built-in voices. The functions here are the commands the worker runs on its engine
+thread (`Engine.list_voices` / `register_voice` / `delete_voice`), so a registered voice is usable the
+moment the future resolves.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from voicertc.errors import NotSupportedError, UnknownVoiceError
+
+if TYPE_CHECKING:
+    from voicertc.audio.decode import Clip
+    from voicertc.engine.backend import AnyBackend
+
+VoiceInfo = dict[str, Any]
+
+
+class BackendVoiceBook(Protocol):
+    """What a backend that registers voices offers (engine thread only)."""
+
+    def voice_infos(self) -> list[VoiceInfo]: ...
+
+    def register_clip(self, clip: Clip, transcript: str | None, voice_id: str | None, name: str) -> VoiceInfo:
+        """A zero-shot voice from a decoded clip; InputError / VoiceExistsError name the problem."""
+        ...
+
+    def delete_voice(self, voice_id: str) -> None: ...
+
+
+def builtin_info(voice_id: str) -> VoiceInfo:
+    """The description of a voice that came with the engine (not deletable)."""
+    return {
+        "id": voice_id,
+        "name": voice_id,
+        "kind": "builtin",
+        "transcript": "",
+        "prompt_s": 0.0,
+        "source": "engine",
+        "deletable": False,
+        "created_at": None,
+    }
+
+
+def list_voices(backend: AnyBackend) -> list[VoiceInfo]:
+    book = backend.voice_book
+    return book.voice_infos() if book is not None else [builtin_info(v) for v in backend.voices()]
+
+
+def register_voice(
+    backend: AnyBackend, clip: Clip, transcript: str | None, voice_id: str | None, name: str
+) -> VoiceInfo:
+    book = backend.voice_book
+    if book is None:
+        raise NotSupportedError(f"registering voices is not supported by this engine ({backend.name})")
+    return book.register_clip(clip, transcript, voice_id, name)
+
+
+def delete_voice(backend: AnyBackend, voice_id: str) -> None:
+    book = backend.voice_book
+    if book is None:
+        if voice_id in backend.voices():
+            raise NotSupportedError(f"deleting voices is not supported by this engine ({backend.name})")
+        raise UnknownVoiceError(f"unknown voice {voice_id!r}")
+    book.delete_voice(voice_id)

@@ -44,6 +44,9 @@ class NullSink:
     def end_utterance(self, utterance_id: str, generation: int) -> None:
         pass
 
+    def mark_text(self, utterance_id: str, generation: int, text: str) -> None:
+        pass
+
     def abort_utterance(self, utterance_id: str, generation: int) -> None:
         pass
 

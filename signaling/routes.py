@@ -18,10 +18,17 @@ from signaling.auth import principal
 from signaling.errors import ApiError
 from signaling.registry import CallRegistry
 from signaling.sdp import check_not_restart, check_offer, parse_sdpfrag
-from voicertc.errors import EngineStoppedError, InputError, VoiceRTCError
-from voicertc.validate import BadJsonError, BadTextError, check_text, parse_json
+from voicertc.errors import EngineStoppedError, EngineUnavailableError, InputError, VoiceRTCError
+from voicertc.validate import (
+    BadJsonError,
+    BadTextError,
+    SpeakRequest,
+    SpeakRequestError,
+    check_text,
+    parse_json,
+)
 from voicertc.webrtc.call import Call
-from voicertc.webrtc.speech import QueueFullError, SpeechHandle
+from voicertc.webrtc.speech import QueueFullError, SpeechHandle, speak_rules
 
 logger = logging.getLogger(__name__)
 
@@ -151,48 +158,39 @@ async def hang_up(request: web.Request) -> web.Response:
 
 @routes.post("/v1/calls/{call_id}/speak")
 async def speak(request: web.Request) -> web.Response:
-    """The request is checked whole (query, body, text) before the call is looked up: what a bad
-    request gets does not depend on whether the call exists."""
-    voice = _voice(request.query.get("voice"), "query parameter 'voice'")
-    interrupt = _query_bool(request, "interrupt")
+    """The request is checked whole (query, body, text: `SpeakRequest.parse`) before the call is looked
+    up: what a bad request gets does not depend on whether the call exists."""
+    fields: dict[str, Any] = {"interrupt": _query_bool(request, "interrupt")}
+    if "voice" in request.query:
+        fields["voice"] = request.query["voice"]
     if request.content_type == NDJSON:
-        return await _speak_stream(request, _call(request), voice, interrupt)
+        return await _speak_stream(request, fields)
     if request.content_type != "application/json":
         raise _unsupported(request, f"application/json or {NDJSON}")
     body = await _json_body(request)
-    text = body.get("text")
-    voice = _voice(body["voice"]) if "voice" in body else voice
-    interrupt = body.get("interrupt", interrupt)
-    if not isinstance(text, str) or not text.strip():
-        raise ApiError(400, "bad_input", '"text" must be a non-empty string')
-    limit = _registry(request).config.limits.max_text_chars
-    if len(text) > limit:
-        raise ApiError(413, "text_too_long", f"text has {len(text)} characters; the limit is {limit}")
-    try:
-        check_text(text)
-    except BadTextError as exc:
-        raise ApiError(400, exc.code, str(exc)) from None
-    if not isinstance(interrupt, bool):
-        raise ApiError(400, "bad_request", '"interrupt" must be true or false')
-    call = _call(request)
-    if voice:
-        _registry(request).check_voice(voice)
-    mode = {"instruct": body.get("instruct"), "speed": body.get("speed")}  # checked by call.speak
-    handle = _speak(call, text, voice, interrupt, **mode)
+    speak_request = _parse_speak({**fields, **body}, _registry(request))
+    handle = _speak(_call(request), speak_request)
     return web.json_response({"utterance_id": handle.utterance_id}, status=202)
 
 
-def _speak(
-    call: Call, text: str | AsyncIterator[str], voice: str | None, interrupt: bool, **mode: Any
-) -> SpeechHandle:
-    """`mode`: instruct / speed as the request gave them (validated by `call.speak`)."""
+def _parse_speak(fields: dict[str, Any], registry: CallRegistry, streamed: bool = False) -> SpeakRequest:
     try:
-        return call.speak(text, voice=voice, interrupt=interrupt, **mode)
+        rules = speak_rules(registry.engine, registry.config.limits)
+        return SpeakRequest.parse(fields, rules, streamed=streamed)
+    except (SpeakRequestError, BadTextError) as exc:
+        raise ApiError(exc.status, exc.code, str(exc)) from None
+
+
+def _speak(call: Call, speak_request: SpeakRequest, deltas: AsyncIterator[str] | None = None) -> SpeechHandle:
+    """Queue a checked request; what the queue or the engine refuses maps to its HTTP status."""
+    try:
+        return call.speak_request(speak_request, deltas)
     except QueueFullError as exc:
         raise ApiError(429, exc.code, str(exc), {"Retry-After": "1"}) from exc
-    except EngineStoppedError as exc:  # engine_unavailable (a remote engine out of reach) says when to retry
-        retry = getattr(exc, "retry_after_s", None)
-        raise ApiError(503, exc.code, str(exc), {"Retry-After": str(retry)} if retry else None) from exc
+    except EngineUnavailableError as exc:  # a remote engine out of reach (or loading) says when to retry
+        raise ApiError(503, exc.code, str(exc), {"Retry-After": str(exc.retry_after_s)}) from exc
+    except EngineStoppedError as exc:
+        raise ApiError(503, exc.code, str(exc)) from exc
     except VoiceRTCError as exc:
         raise ApiError(400, exc.code, str(exc)) from exc
 
@@ -260,21 +258,22 @@ STREAM_ERRORS = {
 }
 
 
-async def _speak_stream(request: web.Request, call: Call, voice: str | None, interrupt: bool) -> web.Response:
+async def _speak_stream(request: web.Request, fields: dict[str, Any]) -> web.Response:
     """Stream NDJSON deltas into one utterance; answer when the body ends (202) or breaks (4xx).
 
     The utterance id is known at once: it goes out as `speech.queued` on the data channel and SSE.
     """
-    if voice:
-        _registry(request).check_voice(voice)
-    mode: dict[str, Any] = {"instruct": request.query.get("instruct")}
+    if "instruct" in request.query:
+        fields["instruct"] = request.query["instruct"]
     if "speed" in request.query:
         try:
-            mode["speed"] = float(request.query["speed"])
+            fields["speed"] = float(request.query["speed"])
         except ValueError:
             raise ApiError(400, "bad_request", "?speed= must be a number") from None
+    speak_request = _parse_speak(fields, _registry(request), streamed=True)
+    call = _call(request)
     limits = call.config.limits
-    handle = _speak(call, _ndjson_deltas(request, limits.max_text_chars), voice, interrupt, **mode)
+    handle = _speak(call, speak_request, _ndjson_deltas(request, limits.max_text_chars))
     assert handle.feeder is not None
     await asyncio.wait([handle.feeder])
     await _discard_rest(request, call)

@@ -33,6 +33,9 @@ class RecordingSink:
     def end_utterance(self, utterance_id, generation) -> None:
         self.ended.append(utterance_id)
 
+    def mark_text(self, utterance_id, generation, text) -> None:
+        pass  # heard-text marks: tests/test_listen_heard_text.py records them
+
     def abort_utterance(self, utterance_id, generation) -> None:
         self.aborted.append(utterance_id)
 

@@ -206,6 +206,21 @@ async def test_a_bad_speak_with_interrupt_leaves_the_playing_utterance_alone():
         assert not playing.finished and call.interrupts == 0
 
 
+@pytest.mark.parametrize(
+    ("voice", "code"),
+    [("nobody", "unknown_voice"), (7, "bad_request"), ("", "bad_request"), (["a"], "bad_request")],
+)
+async def test_the_data_channel_refuses_a_bad_voice_like_http(voice, code):
+    async with call_pair() as (call, client, engine):
+        client.send({"type": "speak", "text": "Hi there.", "voice": voice})
+        error = await client.wait_event("error")
+        assert error["code"] == code and "voice" in error["message"]
+        assert call.speech.pending == 0 and call.utterances == 0 and engine.open_count == 0
+        client.send({"type": "speak", "text": "Hi there.", "interrupt": "yes"})
+        assert (await client.wait_event("error"))["code"] == "bad_request"
+        assert call.speech.pending == 0
+
+
 async def test_a_call_queues_at_most_max_queued_utterances():
     async with call_pair(limits={"max_queued_utterances": 2}) as (call, client, _engine):
         call.speak("One. " * 20)

@@ -158,6 +158,10 @@ class AudioSink(Protocol):
         """No more audio for this utterance: flush the resampler and mark the end for playback."""
         ...
 
+    def mark_text(self, utterance_id: str, generation: int, text: str) -> None:
+        """The text whose audio starts with the next write (what the listener heard; may be ignored)."""
+        ...
+
     def abort_utterance(self, utterance_id: str, generation: int) -> None:
         """The utterance ended early (failed or cancelled): free its state and mark its end."""
         ...

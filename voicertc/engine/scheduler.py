@@ -40,7 +40,7 @@ def sink_heads(utterances: Iterable[Utterance]) -> list[Utterance]:
 
 
 def is_runnable(utt: Utterance, backend: Backend, now_s: float) -> bool:
-    if utt.pending_pcm:
+    if utt.held:
         return utt.sink.has_room()
     if utt.synthesis_done:
         return True

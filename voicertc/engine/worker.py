@@ -38,6 +38,7 @@ from voicertc.engine.backend import (
     as_batch_backend,
 )
 from voicertc.engine.batch_stats import BatchStats
+from voicertc.engine.delivery import Wrote
 from voicertc.engine.protocol import (
     DEFAULT_OPTIONS,
     AudioSink,
@@ -49,7 +50,6 @@ from voicertc.engine.protocol import (
     EngineEvent,
     EventCallback,
     Failed,
-    FirstAudio,
     OpenUtterance,
     PushText,
     RunCommand,
@@ -360,7 +360,7 @@ class EngineWorker:
         self._iteration_started, self._iteration_cpu = now_s, time.thread_time()
         for utt in sink_heads(list(self._utterances.values())):
             try:
-                if utt.pending_pcm:
+                if utt.held:
                     if utt.sink.has_room():
                         writable.append(utt)
                 elif utt.synthesis_done:
@@ -467,8 +467,7 @@ class EngineWorker:
         if utt.text_chars_total > self.max_text_chars:
             self._fail(utt, InputError(f"text too long: more than {self.max_text_chars} characters"))
             return
-        if utt.first_text_s is None and text.strip():
-            utt.first_text_s = self.clock()
+        utt.note_text(text, self.clock())
         utt.text += text
         utt.metrics.setdefault("text_chars", 0.0)
         utt.metrics["text_chars"] += len(text)
@@ -521,7 +520,7 @@ class EngineWorker:
         """Write pending audio while the sink has room; complete the utterance once all is written."""
         try:
             self._write_pending(utt)
-            if self._live(utt) and utt.synthesis_done and not utt.pending_pcm:
+            if self._live(utt) and utt.synthesis_done and not utt.held:
                 if utt.failure is not None:
                     self._fail(utt, utt.failure)
                 else:
@@ -545,15 +544,12 @@ class EngineWorker:
 
     def _accept(self, utt: Utterance, result: SynthStep) -> None:
         if result.text:  # before its PCM: the mark sits where this text's audio starts
-            mark_text = getattr(utt.sink, "mark_text", None)
-            if mark_text is not None:
-                mark_text(utt.utterance_id, utt.generation, result.text)
+            utt.hold_mark(result.text)
         if result.pcm:
-            utt.sample_rate_hz = result.sample_rate_hz
             piece = max(1, result.sample_rate_hz * PIECE_MS // 1000)
             for pcm in self._capped(utt, result.pcm, result.sample_rate_hz):
                 for start in range(0, len(pcm), piece):
-                    utt.pending_pcm.append((pcm[start : start + piece], result.sample_rate_hz))
+                    utt.hold(pcm[start : start + piece], result.sample_rate_hz)
             utt.chunks += 1
         if result.done or utt.failure is not None:
             utt.synthesis_done = True
@@ -578,20 +574,15 @@ class EngineWorker:
         return kept
 
     def _write_pending(self, utt: Utterance) -> None:
-        while utt.pending_pcm and utt.sink.has_room():
-            pcm, rate = utt.pending_pcm.popleft()
-            if not utt.sink.write(pcm, rate, utt.utterance_id, utt.generation):
-                self._finish(utt, Cancelled(utt.utterance_id))  # the sink was cleared (interrupt)
-                return
-            utt.audio_samples += len(pcm)
-            if utt.first_audio_s is None:
-                utt.first_audio_s = self.clock()
-                ttfa_s = utt.first_audio_s - (utt.first_text_s or utt.opened_s)
-                utt.metrics["ttfa_s"] = ttfa_s
-                self._emit(utt, FirstAudio(utt.utterance_id, ttfa_ms=1000.0 * ttfa_s))
+        had_audio = utt.first_audio_s is not None
+        if utt.write(lambda event: self._emit(utt, event), self.clock) is Wrote.CLEARED:
+            self._finish(utt, Cancelled(utt.utterance_id))  # the sink was cleared (interrupt)
+            return
+        if not had_audio and (ttfa_s := utt.ttfa_s) is not None:
+            utt.metrics["ttfa_s"] = ttfa_s
 
     def _complete(self, utt: Utterance) -> None:
-        utt.sink.end_utterance(utt.utterance_id, utt.generation)
+        utt.end()
         synth_s = utt.metrics.get("synth_s", 0.0)
         if utt.audio_ms:
             utt.metrics["rtf"] = synth_s / (utt.audio_ms / 1000.0)
@@ -618,12 +609,10 @@ class EngineWorker:
         """Remove `utt`, free its backend state, and send its one terminal event."""
         if self._utterances.pop(utt.utterance_id, None) is None:
             return
-        utt.pending_pcm.clear()
-        if not isinstance(event, Done):
-            try:
-                utt.sink.abort_utterance(utt.utterance_id, utt.generation)
-            except Exception:
-                logger.exception("utterance %s: sink abort failed", utt.utterance_id)
+        if isinstance(event, Done):
+            utt.held.clear()
+        else:
+            utt.abort()
         try:
             self._planner.release(utt)
         except Exception:

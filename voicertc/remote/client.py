@@ -34,10 +34,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import numpy as np
-
 from voicertc import __version__
 from voicertc.config import Config, RayConfig
+from voicertc.engine.delivery import Delivery, Wrote
 from voicertc.engine.protocol import (
     AudioSink,
     Cancelled,
@@ -45,7 +44,6 @@ from voicertc.engine.protocol import (
     EngineEvent,
     EventCallback,
     Failed,
-    FirstAudio,
     SpeakOptions,
 )
 from voicertc.engine.voice_book import VoiceInfo, builtin_info
@@ -75,28 +73,22 @@ class VersionSkewError(EngineUnavailableError):
     code = "version_skew"
 
 
-@dataclass(eq=False)
-class _Utterance:
-    """One remote utterance. Owned by the client loop (`open`/`cancel` counting aside)."""
+@dataclass(kw_only=True, eq=False)
+class _Utterance(Delivery):
+    """One remote utterance. Owned by the client loop (`open`/`cancel` counting aside); its audio is
+    held and written by the shared delivery outlet (`Delivery`)."""
 
-    utterance_id: str
     voice: str
-    sink: AudioSink
     on_event: EventCallback
-    generation: int
     session: str
     options: SpeakOptions
     outbox: list[str] = field(default_factory=list)
     text_chars: int = 0
     input_ended: bool = False
     end_sent: bool = False
-    first_text_s: float | None = None
-    first_audio_s: float | None = None
     replica: str | None = None
     received_ms: float = 0.0
-    written_ms: float = 0.0
     credited_ms: float = 0.0
-    pending: deque[tuple[np.ndarray, int] | str] = field(default_factory=deque)  # PCM + text marks
     done: dict[str, Any] | None = None  # the replica's "done", held until pending PCM is written
     finished: bool = False
     task: asyncio.Task[None] | None = None
@@ -283,7 +275,16 @@ class RemoteEngine:
                 raise InputError(f"too many open utterances (limit {self._max_utterances})")
             self._open.add(uid)
             session = self._session_for(sink)
-        utt = _Utterance(uid, resolved, sink, on_event, sink.generation, session, options or SpeakOptions())
+        utt = _Utterance(
+            utterance_id=uid,
+            voice=resolved,
+            sink=sink,
+            on_event=on_event,
+            generation=sink.generation,
+            opened_s=self.clock(),
+            session=session,
+            options=options or SpeakOptions(),
+        )
         self._post(self._begin, utt)
         return uid
 
@@ -412,8 +413,7 @@ class RemoteEngine:
         if utt.text_chars > self.max_text_chars:
             self._fail(utt, "bad_input", f"text too long: more than {self.max_text_chars} characters")
             return
-        if utt.first_text_s is None and text.strip():
-            utt.first_text_s = self.clock()
+        utt.note_text(text, self.clock())
         utt.outbox.append(text)
         utt.wake.set()
 
@@ -487,10 +487,10 @@ class RemoteEngine:
             if len(message) > 4 and message[4] == _HOST:  # same machine: one clock
                 self.chunk_delays_ms.append(1000.0 * (time.monotonic() - float(message[3])))
             utt.received_ms += 1000.0 * len(pcm) / rate
-            utt.pending.append((pcm, rate))
+            utt.hold(pcm, rate)
             self._flush(utt)
         elif kind == "text":
-            utt.pending.append(str(message[1]))
+            utt.hold_mark(str(message[1]))
             self._flush(utt)
         elif kind == "open":
             utt.replica = str(message[1]["replica"])
@@ -530,29 +530,18 @@ class RemoteEngine:
 
     def _flush_all(self) -> None:
         for utt in list(self._utts.values()):
-            if utt.pending or utt.done is not None:
+            if utt.held or utt.done is not None:
                 self._flush(utt)
 
     def _flush(self, utt: _Utterance) -> None:
         """Write held PCM while the ring has room; complete once the replica is done and all is in."""
-        sink = utt.sink
-        while utt.pending and not utt.finished and sink.has_room():
-            item = utt.pending.popleft()
-            if isinstance(item, str):
-                if (mark_text := getattr(sink, "mark_text", None)) is not None:
-                    mark_text(utt.utterance_id, utt.generation, item)
-                continue
-            pcm, rate = item
-            if not sink.write(pcm, rate, utt.utterance_id, utt.generation):
-                self._finish(utt, Cancelled(utt.utterance_id))  # the ring was cleared (interrupt)
-                return
-            utt.written_ms += 1000.0 * len(pcm) / rate
-            if utt.first_audio_s is None:
-                utt.first_audio_s = self.clock()
-                ttfa_ms = 1000.0 * (utt.first_audio_s - (utt.first_text_s or utt.first_audio_s))
-                self._emit(utt, FirstAudio(utt.utterance_id, ttfa_ms=ttfa_ms))
-        if utt.done is not None and not utt.pending and not utt.finished:
-            sink.end_utterance(utt.utterance_id, utt.generation)
+        if utt.finished:
+            return
+        if utt.write(lambda event: self._emit(utt, event), self.clock) is Wrote.CLEARED:
+            self._finish(utt, Cancelled(utt.utterance_id))  # the ring was cleared (interrupt)
+            return
+        if utt.done is not None and not utt.held:
+            utt.end()
             metrics = {k: float(v) for k, v in (utt.done.get("metrics") or {}).items()}
             self._finish(utt, Done(utt.utterance_id, audio_ms=utt.written_ms, metrics=metrics))
 
@@ -618,12 +607,10 @@ class RemoteEngine:
                 utt.gen.cancel()
             except Exception:  # noqa: BLE001 - already finished or torn down
                 logger.debug("utterance %s: stream cancel failed", utt.utterance_id, exc_info=True)
-        utt.pending.clear()
-        if not isinstance(event, Done):
-            try:
-                utt.sink.abort_utterance(utt.utterance_id, utt.generation)
-            except Exception:
-                logger.exception("utterance %s: sink abort failed", utt.utterance_id)
+        if isinstance(event, Done):
+            utt.held.clear()
+        else:
+            utt.abort()
         self.stats[{Done: "done", Cancelled: "cancelled", Failed: "failed"}[type(event)]] += 1
         self._emit(utt, event)
 

@@ -30,13 +30,13 @@ from aiortc.sdp import SessionDescription, candidate_from_sdp
 
 from voicertc.audio import PcmRing, RingSink
 from voicertc.config import Config
-from voicertc.engine.protocol import Engine
+from voicertc.engine.protocol import Engine, SpeakOptions
 from voicertc.errors import InputError, VoiceRTCError
 from voicertc.listen.bargein import BargeInDecision
 from voicertc.listen.listener import CallListener
-from voicertc.validate import BadJsonError, parse_json
+from voicertc.validate import BadJsonError, SpeakRequest, SpeakRules, parse_json
 from voicertc.webrtc.loopback import loopback_only_sdp
-from voicertc.webrtc.speech import ClientEvent, SpeechHandle, SpeechQueue, speak_options
+from voicertc.webrtc.speech import ClientEvent, SpeechHandle, SpeechQueue, speak_rules
 from voicertc.webrtc.track import PlayoutEvent, SpeechTrack
 
 logger = logging.getLogger(__name__)
@@ -166,16 +166,29 @@ class Call:
     ) -> SpeechHandle:
         """Queue an utterance (text or async iterator of deltas); `interrupt` first stops what is playing.
 
-        `instruct`: an instruction for the voice (CosyVoice2 instruct2); `speed`: a rate factor (CosyVoice2;
+        `instruct`: an instruction for the voice (CosyVoice instruct2); `speed`: a rate factor (CosyVoice2;
         like the reference, such an utterance is synthesized without streaming). The request is validated
-        before the interrupt: a bad one leaves what is playing alone.
+        (`SpeakRequest.parse`) before the interrupt: a bad one leaves what is playing alone.
         """
+        streamed = not isinstance(text, str)
+        fields = {"text": text, "voice": voice, "interrupt": interrupt, "instruct": instruct, "speed": speed}
+        request = SpeakRequest.parse(fields, self.speak_rules(), streamed=streamed)
+        return self.speak_request(request, None if isinstance(text, str) else text)
+
+    def speak_rules(self) -> SpeakRules:
+        return speak_rules(self.speech.engine, self.config.limits)
+
+    def speak_request(self, request: SpeakRequest, deltas: AsyncIterable[str] | None = None) -> SpeechHandle:
+        """Queue a checked request; its text is `request.text`, or `deltas` when it streams in."""
         if self.closed.is_set():
             raise CallClosedError(f"call {self.call_id} is closed")
-        options = speak_options(self.speech.engine, instruct, speed)
-        voice = voice or self.default_voice
-        if interrupt:
-            self.speech.check(text, voice)
+        text: str | AsyncIterable[str] | None = request.text if request.text is not None else deltas
+        if text is None:
+            raise InputError("a speak request needs its text or a stream of text deltas")
+        options = SpeakOptions(instruct=request.instruct, speed=request.speed)
+        voice = request.voice or self.default_voice
+        if request.interrupt:
+            self.speech.check_engine()
             self.interrupt()
         handle = self.speech.speak(text, voice, options)
         self.utterances += 1
@@ -351,17 +364,8 @@ class Call:
         if kind == "ping":
             self._send_direct({"type": "pong", "ts": data.get("ts")})
         elif kind == "speak":
-            text = data.get("text")
-            if not isinstance(text, str):
-                self._emit(_error("bad_message", "speak needs a string 'text'"))
-                return
-            voice = data.get("voice") if isinstance(data.get("voice"), str) else None
-            interrupt = data.get("interrupt", False)
-            if not isinstance(interrupt, bool):
-                self._emit(_error("bad_message", "speak's 'interrupt' must be true or false"))
-                return
-            mode = {"instruct": data.get("instruct"), "speed": data.get("speed")}
-            self.speak(text, voice=voice, interrupt=interrupt, **mode)  # emits speech.queued
+            fields = {k: v for k, v in data.items() if k != "type"}
+            self.speak_request(SpeakRequest.parse(fields, self.speak_rules()))  # emits speech.queued
         elif kind == "interrupt":
             self.interrupt()
         else:

@@ -26,8 +26,8 @@ from voicertc.engine.protocol import (
     FirstAudio,
     SpeakOptions,
 )
-from voicertc.errors import EngineStoppedError, InputError, VoiceRTCError
-from voicertc.validate import check_text
+from voicertc.errors import EngineStoppedError, EngineUnavailableError, InputError, VoiceRTCError
+from voicertc.validate import SpeakRules, check_text
 
 logger = logging.getLogger(__name__)
 
@@ -35,45 +35,10 @@ ClientEvent = dict[str, Any]
 EmitFn = Callable[[ClientEvent], None]
 
 
-class TextTooLongError(InputError):
-    code = "text_too_long"
-
-
-class OptionNotSupportedError(InputError):
-    code = "not_supported"
-
-
-class SpeedNotSupportedError(InputError):
-    code = "speed_not_supported"
-
-
-MIN_SPEED, MAX_SPEED = 0.5, 2.0
-
-
-def speak_options(engine: Engine, instruct: object = None, speed: object = None) -> SpeakOptions:
-    """Validated speak options (InputError naming the field); refused when the engine cannot honour them.
-
-    `speed` follows the reference: it is applied only in non-streaming synthesis (cosyvoice.md §6.2); an
-    engine that cannot synthesize without streaming refuses any value but 1.0 (`speed_not_supported`)."""
-    if instruct is not None and not isinstance(instruct, str):
-        raise InputError('"instruct" must be a string')
-    if speed is not None and (isinstance(speed, bool) or not isinstance(speed, int | float)):
-        raise InputError('"speed" must be a number')
-    options = SpeakOptions(
-        instruct=(instruct or "").strip(), speed=float(speed) if speed is not None else 1.0
-    )
-    if not MIN_SPEED <= options.speed <= MAX_SPEED:
-        raise InputError(f'"speed" must be {MIN_SPEED:g}..{MAX_SPEED:g}')
-    if options.instruct:
-        check_text(options.instruct, "instruct")
-        if not engine.supports("instruct"):
-            raise OptionNotSupportedError("instruct is not supported by this engine (CosyVoice2 only)")
-    if options.speed != 1.0 and not engine.supports("speed"):
-        raise SpeedNotSupportedError(
-            "speed is applied only in non-streaming synthesis (as in the reference), which this engine "
-            "does not do: only speed 1.0 is accepted"
-        )
-    return options
+def speak_rules(engine: Engine, limits: LimitsConfig) -> SpeakRules:
+    """What `SpeakRequest.parse` checks a request against on this engine (its voices and options)."""
+    features = [f for f in ("instruct", "speed") if engine.supports(f)]
+    return SpeakRules(max_text_chars=limits.max_text_chars, voices=engine.voices(), features=features)
 
 
 class QueueFullError(VoiceRTCError):
@@ -147,30 +112,31 @@ class SpeechQueue:
 
     # --- requests ---------------------------------------------------------------------------------
 
-    def check(self, text: str | AsyncIterable[str], voice: str | None) -> None:
-        """Raise what `speak` would raise for this text and voice (empty, too long, unknown voice,
-        engine stopped) without queueing anything, so a caller can validate before it interrupts."""
-        if isinstance(text, str):
-            if not text.strip():
-                raise InputError("empty text: nothing to speak")
-            if len(text) > self.max_text_chars:
-                raise TextTooLongError(f"text too long: {len(text)} characters (limit {self.max_text_chars})")
-            check_text(text)
+    def check_engine(self) -> None:
+        """Raise what `speak` would raise for the engine's state (stopped, unavailable) without queueing
+        anything, so a caller can check before it interrupts. The request itself was checked where it
+        entered (`SpeakRequest.parse`)."""
         if not self.engine.running:
             raise EngineStoppedError("the engine is not running")
-        self.engine.resolve_voice(voice)
+        if not self.engine.ready:
+            raise EngineUnavailableError(self.engine.not_ready_reason or "the engine is not ready")
 
-    def speak(
-        self, text: str | AsyncIterable[str], voice: str | None = None, options: SpeakOptions | None = None
-    ) -> SpeechHandle:
-        """Queue an utterance of a whole text or of an async stream of text deltas."""
-        self.check(text, voice)
+    def check(self) -> None:
+        """`check_engine`, and room in this call's queue and in the engine."""
+        self.check_engine()
         if len(self._by_id) >= self.max_queued:
             raise QueueFullError(
                 f"{len(self._by_id)} utterances are already queued or playing on this call "
                 f"(limits.max_queued_utterances = {self.max_queued})"
             )
         self._check_engine_room()
+
+    def speak(
+        self, text: str | AsyncIterable[str], voice: str | None = None, options: SpeakOptions | None = None
+    ) -> SpeechHandle:
+        """Queue an utterance of a whole text or of an async stream of text deltas (both checked at the
+        edge: `SpeakRequest.parse`, deltas by `push` as they arrive)."""
+        self.check()
         handle = SpeechHandle(uuid.uuid4().hex[:12], voice, self._loop.time())
         handle.options = options or None
         self._by_id[handle.utterance_id] = handle

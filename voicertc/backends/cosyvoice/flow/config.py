@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from voicertc.backends.cosyvoice.load.yaml_config import tag_of
+from voicertc.backends.cosyvoice.load.yaml_config import YamlFields
 from voicertc.errors import ModelDirError
 
 YAML_NAME = "cosyvoice2.yaml"
@@ -106,36 +106,14 @@ class FlowConfig:
         return cfg
 
 
-def _where(path: str, key: str) -> str:
-    return f"{YAML_NAME}: {path}.{key}"
-
-
-def _expect_tag(node: Any, tag: str, path: str) -> None:
-    if tag_of(node) != tag:
-        got = tag_of(node) or type(node).__name__
-        raise ModelDirError(f"{YAML_NAME}: {path} must be !{tag}, got {got!r}")
-
-
-def _sub(node: dict[str, Any], key: str, tag: str, path: str) -> dict[str, Any]:
-    if key not in node:
-        raise ModelDirError(f"{_where(path, key)} is missing")
-    _expect_tag(node[key], tag, f"{path}.{key}")
-    return node[key]
-
-
-def _int(node: dict[str, Any], key: str, path: str, default: int | None = None) -> int:
-    value = node.get(key, default)
-    if value is None:
-        raise ModelDirError(f"{_where(path, key)} is missing")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-        raise ModelDirError(f"{_where(path, key)} must be an integer, got {value!r}")
-    return int(value)
-
-
-def _require(node: dict[str, Any], key: str, path: str, allowed: Any, default: Any) -> None:
-    value = node.get(key, default)
-    if value != allowed:
-        raise ModelDirError(f"{_where(path, key)} = {value!r} is not supported (only {allowed!r})")
+_FIELDS = YamlFields(YAML_NAME)
+_where, _expect_tag, _sub, _int, _require = (
+    _FIELDS.where,
+    _FIELDS.expect_tag,
+    _FIELDS.sub,
+    _FIELDS.int,
+    _FIELDS.require,
+)
 
 
 def _cfm_params(decoder: dict[str, Any]) -> dict[str, Any]:

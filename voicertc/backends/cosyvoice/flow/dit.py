@@ -234,6 +234,7 @@ class DiT(nn.Module):
         sin = torch.stack([p[1] for p in parts]).repeat_interleave(rows, dim=0)
         return cos.to(dtype), sin.to(dtype)
 
+    # the estimator signature the CFM solver calls: deliberately the same as unet.py's (v2)
     def forward(
         self,
         x: Tensor,

@@ -256,6 +256,7 @@ class CausalConditionalDecoder(nn.Module):
             x = block(x, batch)
         return x.transpose(1, 2)
 
+    # the estimator signature the CFM solver calls: deliberately the same as dit.py's (v3)
     def forward(
         self,
         x: Tensor,

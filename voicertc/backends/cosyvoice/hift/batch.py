@@ -22,14 +22,12 @@ import torch
 from torch import Tensor
 
 from voicertc.backends.cosyvoice.hift.generator import HiFTGenerator
-from voicertc.backends.cosyvoice.hift.overlap_add import fade_in_out, hamming_window
 from voicertc.backends.cosyvoice.hift.source import SourceDraws
 from voicertc.backends.cosyvoice.hift.stream import (
-    MEL_CACHE_FRAMES,
-    SOURCE_CACHE_SAMPLES,
-    SPEECH_TAIL_SAMPLES,
     HiftStreamState,
+    finish_chunk,
     hift_stream_step,
+    prepend_mel_cache,
 )
 from voicertc.backends.cosyvoice.serve.token2wav import Chunk, ChunkPlan, Token2WavStream
 
@@ -55,12 +53,7 @@ def hift_stream_step_batch(
     # mel_chunks: B x [1, 80, T_new] -> B x pcm [N]
     if len(states) == 1:
         return [hift_stream_step(hift, mel_chunks[0], states[0], finalize[0], generator=generators[0])]
-    mels = []
-    for mel_chunk, state in zip(mel_chunks, states, strict=True):
-        if state.finished:
-            raise ValueError("hift_stream_step called after the final chunk")
-        cache = state.mel_cache
-        mels.append(torch.cat([cache, mel_chunk.to(cache)], dim=2) if cache is not None else mel_chunk)
+    mels = [prepend_mel_cache(mel_chunk, state) for mel_chunk, state in zip(mel_chunks, states, strict=True)]
     if len({m.shape[2] for m in mels}) != 1:
         raise ValueError("a HiFT batch needs vocoder inputs of one length")
     mel = torch.cat(mels, dim=0)
@@ -80,27 +73,9 @@ def hift_stream_step_batch(
             source[row : row + 1, :, : state.source_cache.shape[2]] = state.source_cache
     speech = hift.decode(mel, source)
     return [
-        _finish_row(speech[row : row + 1], source[row : row + 1], mels[row], state, final)
+        finish_chunk(speech[row : row + 1], source[row : row + 1], mels[row], state, final)
         for row, (state, final) in enumerate(zip(states, finalize, strict=True))
     ]
-
-
-def _finish_row(speech: Tensor, source: Tensor, mel: Tensor, state: HiftStreamState, final: bool) -> Tensor:
-    """The cross-fade, the held-back tail and the caches of one row (as `hift_stream_step`)."""
-    if state.speech_tail is not None:
-        speech = fade_in_out(speech, state.speech_tail, hamming_window(2 * SPEECH_TAIL_SAMPLES))
-    if final:
-        state.mel_cache = state.source_cache = state.speech_tail = None
-        state.finished = True
-        return speech[0]
-    if speech.shape[1] <= SPEECH_TAIL_SAMPLES or mel.shape[2] < MEL_CACHE_FRAMES:
-        raise ValueError(
-            f"a non-final HiFT chunk needs more than {MEL_CACHE_FRAMES} mel frames, got {mel.shape[2]}"
-        )
-    state.mel_cache = mel[:, :, -MEL_CACHE_FRAMES:].clone()  # clones: a row keeps no batch tensor alive
-    state.source_cache = source[:, :, -SOURCE_CACHE_SAMPLES:].clone()
-    state.speech_tail = speech[:, -SPEECH_TAIL_SAMPLES:].clone()
-    return speech[0, :-SPEECH_TAIL_SAMPLES]
 
 
 def _sync_copy(pcm: Tensor) -> Callable[[], np.ndarray]:

@@ -56,16 +56,30 @@ def hift_stream_step(
     state is spent.
     """
     # mel_chunk: [1, 80, T_new] -> pcm: [N] (N = 480 * T_new - 3840 + previous tail, or all when final)
+    mel = prepend_mel_cache(mel_chunk, state)
+    speech, excitation = hift.infer(mel, cache_source=state.source_cache, source=source, generator=generator)
+    return finish_chunk(speech, excitation, mel, state, finalize)
+
+
+def prepend_mel_cache(mel_chunk: Tensor, state: HiftStreamState) -> Tensor:
+    """The vocoder input of a chunk: the previous chunk's last mel frames, then the new ones."""
+    # mel_chunk: [1, 80, T_new] -> [1, 80, cache + T_new]
     if state.finished:
         raise ValueError("hift_stream_step called after the final chunk")
-    if state.mel_cache is not None:
-        mel = torch.cat([state.mel_cache, mel_chunk.to(state.mel_cache)], dim=2)
-    else:
-        mel = mel_chunk
-    speech, excitation = hift.infer(mel, cache_source=state.source_cache, source=source, generator=generator)
+    if state.mel_cache is None:
+        return mel_chunk
+    return torch.cat([state.mel_cache, mel_chunk.to(state.mel_cache)], dim=2)
+
+
+def finish_chunk(
+    speech: Tensor, excitation: Tensor, mel: Tensor, state: HiftStreamState, final: bool
+) -> Tensor:
+    """The chunk tail, one row (alone or out of a batch): cross-fade with the held-back tail, hold back
+    the new tail, keep the mel and excitation caches (copies: a row keeps no batch tensor alive)."""
+    # speech: [1, N], excitation: [1, 1, N], mel: [1, 80, T] -> pcm [N - 3840] (all of it when final)
     if state.speech_tail is not None:
         speech = fade_in_out(speech, state.speech_tail, hamming_window(2 * SPEECH_TAIL_SAMPLES))
-    if finalize:
+    if final:
         state.mel_cache = state.source_cache = state.speech_tail = None
         state.finished = True
         return speech[0]
@@ -73,7 +87,7 @@ def hift_stream_step(
         raise ValueError(
             f"a non-final HiFT chunk needs more than {MEL_CACHE_FRAMES} mel frames, got {mel.shape[2]}"
         )
-    state.mel_cache = mel[:, :, -MEL_CACHE_FRAMES:]
-    state.source_cache = excitation[:, :, -SOURCE_CACHE_SAMPLES:]
-    state.speech_tail = speech[:, -SPEECH_TAIL_SAMPLES:]
+    state.mel_cache = mel[:, :, -MEL_CACHE_FRAMES:].clone()
+    state.source_cache = excitation[:, :, -SOURCE_CACHE_SAMPLES:].clone()
+    state.speech_tail = speech[:, -SPEECH_TAIL_SAMPLES:].clone()
     return speech[0, :-SPEECH_TAIL_SAMPLES]

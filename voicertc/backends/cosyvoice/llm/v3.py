@@ -61,6 +61,7 @@ class CosyVoice3LM(Qwen2LM):
         index = {SOS_ROW: SOS_ID, TASK_ID_ROW: TASK_ID}[row]
         return self.speech_embedding.weight[index].reshape(1, 1, -1)
 
+    # deliberately the signature of Qwen2LM.prefill (an override that checks the v3 prompt first)
     def prefill(
         self,
         text_tokens: Sequence[int] | Tensor,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import operator
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -115,3 +116,37 @@ def load_yaml(path: str | Path, overrides: dict[str, Any] | None = None) -> dict
 def tag_of(node: Any) -> str:
     """The `new:pkg.Class` tag recorded on a node, or '' when it has none."""
     return node.get(TAG_KEY, "") if isinstance(node, dict) else ""
+
+
+@dataclass(frozen=True)
+class YamlFields:
+    """Typed reads of one yaml file's nodes; every error names the file and the key's path."""
+
+    yaml_name: str
+
+    def where(self, path: str, key: str) -> str:
+        return f"{self.yaml_name}: {path}.{key}"
+
+    def expect_tag(self, node: Any, tag: str, path: str) -> None:
+        if tag_of(node) != tag:
+            got = tag_of(node) or type(node).__name__
+            raise ModelDirError(f"{self.yaml_name}: {path} must be !{tag}, got {got!r}")
+
+    def sub(self, node: dict[str, Any], key: str, tag: str, path: str) -> dict[str, Any]:
+        if key not in node:
+            raise ModelDirError(f"{self.where(path, key)} is missing")
+        self.expect_tag(node[key], tag, f"{path}.{key}")
+        return node[key]
+
+    def int(self, node: dict[str, Any], key: str, path: str, default: int | None = None) -> int:
+        value = node.get(key, default)
+        if value is None:
+            raise ModelDirError(f"{self.where(path, key)} is missing")
+        if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
+            raise ModelDirError(f"{self.where(path, key)} must be an integer, got {value!r}")
+        return int(value)
+
+    def require(self, node: dict[str, Any], key: str, path: str, allowed: Any, default: Any) -> None:
+        value = node.get(key, default)
+        if value != allowed:
+            raise ModelDirError(f"{self.where(path, key)} = {value!r} is not supported (only {allowed!r})")

@@ -216,6 +216,7 @@ async def test_the_data_channel_refuses_a_bad_voice_like_http(voice, code):
         error = await client.wait_event("error")
         assert error["code"] == code and "voice" in error["message"]
         assert call.speech.pending == 0 and call.utterances == 0 and engine.open_count == 0
+        client.events.clear()
         client.send({"type": "speak", "text": "Hi there.", "interrupt": "yes"})
         assert (await client.wait_event("error"))["code"] == "bad_request"
         assert call.speech.pending == 0
@@ -286,6 +287,10 @@ async def test_a_slow_event_subscriber_is_dropped_not_buffered():
 
 class RecordingEngine:
     """Just enough of the Engine protocol for SpeechQueue: records what it is asked."""
+
+    running = ready = True
+    not_ready_reason = ""
+    open_count, max_utterances = 0, 16
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []

@@ -58,14 +58,19 @@ def _run(backend: CosyVoice2Backend, jobs: list[tuple[str, str, str]], default_v
 
 
 def _track_streams(model, monkeypatch) -> list:
+    """Every token2wav stream the backend opens on `model`."""
+    from voicertc.backends.cosyvoice.serve import backend as backend_module
+    from voicertc.backends.cosyvoice.serve.streams import token2wav_stream
+
     streams = []
-    original = model.token2wav_stream
 
-    def recording(*args, **kwargs):
-        streams.append(original(*args, **kwargs))
-        return streams[-1]
+    def recording(on_model, *args, **kwargs):
+        stream = token2wav_stream(on_model, *args, **kwargs)
+        if on_model is model:
+            streams.append(stream)
+        return stream
 
-    monkeypatch.setattr(model, "token2wav_stream", recording)
+    monkeypatch.setattr(backend_module, "token2wav_stream", recording)
     return streams
 
 

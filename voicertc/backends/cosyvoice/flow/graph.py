@@ -19,6 +19,7 @@ eager `CausalConditionalDecoder` inside the CFM sampler: voices, forks and clone
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,9 +110,16 @@ def _group_keys(cache: EstimatorCache, slot: int) -> tuple[Tensor, Tensor] | Non
 
 
 def pack_caches(
-    caches: list[EstimatorCache], rows: int, frames: int, layout: GraphLayout, chunk_masks: bool, like: Tensor
+    caches: list[EstimatorCache],
+    rows: int,
+    frames: int,
+    layout: GraphLayout,
+    chunk_masks: bool,
+    like: Tensor,
+    keys: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(conv_cache, kv_cache, attn_bias) for the row groups `caches` (each `rows` rows)."""
+    """(conv_cache, kv_cache, attn_bias) for the row groups `caches` (each `rows` rows); the cached keys
+    are padded to `keys` at least (hidden by the bias)."""
     batch = rows * len(caches)
     conv = like.new_zeros(batch, layout.conv_channels, layout.conv_width)
     for g, cache in enumerate(caches):
@@ -120,7 +128,7 @@ def pack_caches(
             if tail is not None:
                 conv[g * rows : (g + 1) * rows, offset : offset + channels] = tail
     starts = [cache.frames for cache in caches]
-    padded = max(1, *starts)  # at least one (hidden) key: no zero-sized graph inputs
+    padded = max(1, keys, *starts)  # at least one (hidden) key: no zero-sized graph inputs
     kv = like.new_zeros(layout.attention_slots, 2, batch, layout.heads, padded, layout.head_dim)
     for g, cache in enumerate(caches):
         for slot in range(layout.attention_slots):
@@ -148,6 +156,58 @@ def unpack_caches(
         cache.frames += frames
 
 
+class _GraphBatch:
+    """What the estimator's convs and attentions ask of a batch, answered from graph inputs."""
+
+    def __init__(self, layout: GraphLayout, conv_cache: Tensor, kv_cache: Tensor, attn_bias: Tensor) -> None:
+        self.layout = layout
+        self.conv_cache, self.kv_cache, self.attn_bias = conv_cache, kv_cache, attn_bias
+        self.new_tails: dict[int, Tensor] = {}
+        self.new_kv: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def conv_context(self, slot: int, x: Tensor, width: int) -> Tensor:
+        offset, channels = self.layout.conv_slots[slot]
+        padded = torch.cat([self.conv_cache[:, offset : offset + channels, -width:], x], dim=2)
+        self.new_tails[slot] = padded[:, :, -width:]
+        return padded
+
+    def attend(self, slot: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # q, k, v: [B, H, T, Dh] -> [B, H, T, Dh] over [cached ++ new] keys; plain softmax attention
+        self.new_kv[slot] = (k, v)
+        keys = torch.cat([self.kv_cache[slot, 0], k], dim=2)
+        values = torch.cat([self.kv_cache[slot, 1], v], dim=2)
+        scores = (q @ keys.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1])) + self.attn_bias
+        return scores.softmax(dim=-1) @ values
+
+
+class StreamingEstimator(nn.Module):
+    """`CausalConditionalDecoder` with its caches as tensors (the graph of `voicertc export onnx`)."""
+
+    def __init__(self, estimator: CausalConditionalDecoder) -> None:
+        super().__init__()
+        self.estimator = estimator
+        self.layout = GraphLayout.of(estimator)
+
+    def forward(
+        self,
+        x: Tensor,
+        mu: Tensor,
+        t: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        conv_cache: Tensor,
+        kv_cache: Tensor,
+        attn_bias: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        batch = _GraphBatch(self.layout, conv_cache, kv_cache, attn_bias)
+        velocity = self.estimator.forward_batch(x, mu, t, spks, cond, batch)
+        conv_out = torch.cat([batch.new_tails[s] for s in range(len(self.layout.conv_slots))], dim=1)
+        kv_new = torch.stack(
+            [torch.stack(batch.new_kv[s]) for s in range(self.layout.attention_slots)]
+        )  # [A, 2, B, H, T, Dh]
+        return velocity, conv_out, kv_new
+
+
 class GraphEstimator:
     """Drop-in for `CausalConditionalDecoder.forward` running the exported graph; `run` is the runtime."""
 
@@ -156,6 +216,11 @@ class GraphEstimator:
 
     def run(self, inputs: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         raise NotImplementedError
+
+    def key_capacity(self, rows: int, frames: int, starts: list[int]) -> int:
+        """Cached key frames to pack for a call (at least the longest group's; a runner with static
+        shapes rounds up to its bucket)."""
+        return max(1, *starts)
 
     def __call__(
         self,
@@ -168,7 +233,8 @@ class GraphEstimator:
         chunk_masks: bool,
     ) -> Tensor:
         rows = x.shape[0] // len(caches)
-        conv, kv, bias = pack_caches(caches, rows, x.shape[2], self.layout, chunk_masks, x)
+        keys = self.key_capacity(x.shape[0], x.shape[2], [cache.frames for cache in caches])
+        conv, kv, bias = pack_caches(caches, rows, x.shape[2], self.layout, chunk_masks, x, keys)
         inputs = dict(zip(INPUT_NAMES, (x, mu, t, spks, cond, conv, kv, bias), strict=True))
         velocity, conv_out, kv_new = self.run(inputs)
         unpack_caches(caches, rows, self.layout, conv_out.to(x.dtype), kv_new.to(x.dtype))

@@ -1,0 +1,157 @@
+"""The flow estimator as static-shape steps (what `[engine] cuda_graphs` captures on CUDA): the padded
+static step equals the eager estimator (pad rows, cached keys padded to a bucket and hidden, several
+utterances at different positions), a whole streamed utterance equals the eager one, and the bucket
+logic (choice, one capture per shape, eager fallback outside the buckets or past the memory bound)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from voicertc.backends.cosyvoice.flow.captured import Buckets, CapturedEstimator, StepShape, run_eagerly
+from voicertc.backends.cosyvoice.flow.flow import CausalFlow, FlowStreamState
+from voicertc.backends.cosyvoice.flow.graph import StreamingEstimator
+
+TOL = 1e-5
+LOOKAHEAD, GRID = 3, 25
+
+
+def test_bucket_choice_is_pure_and_pads_rows_and_keys_up():
+    buckets = Buckets(max_rows=16, key_quantum=64, max_keys=512)
+    assert buckets.shape(2, 50, 0) == StepShape(rows=2, frames=50, keys=64)
+    assert buckets.shape(3, 50, 65) == StepShape(rows=4, frames=50, keys=128)
+    assert buckets.shape(6, 100, 128) == StepShape(rows=8, frames=100, keys=128)
+    assert buckets.shape(16, 37, 512) == StepShape(rows=16, frames=37, keys=512)
+    assert buckets.shape(17, 50, 10) is None  # more rows than the largest bucket
+    assert buckets.shape(2, 50, 513) is None  # a history past the largest key bucket
+    assert buckets.rows_list() == [2, 4, 8, 16]
+    assert Buckets(max_rows=12).rows_list() == [2, 4, 8, 12]
+    assert Buckets(max_rows=12).shape(9, 50, 1).rows == 12
+
+
+class CountingCapture:
+    """A fake capture: runs the static step eagerly, counting captures and replays."""
+
+    def __init__(self) -> None:
+        self.captured = 0
+        self.replays = 0
+
+    def __call__(self, step):
+        self.captured += 1
+
+        def replay():
+            self.replays += 1
+            return step()
+
+        return replay
+
+
+def _voice(flow: CausalFlow, tts_golden) -> FlowStreamState:
+    return flow.init_stream(
+        tts_golden["in_prompt_token"], tts_golden["in_prompt_feat"], tts_golden["in_embedding"]
+    )
+
+
+def _stream(flow: CausalFlow, tts_golden, hops: list[int]) -> torch.Tensor:
+    tokens, state = tts_golden["in_token"], _voice(flow, tts_golden).clone()
+    offset, mels = 0, []
+    pad = -tts_golden["in_prompt_token"].shape[1] % GRID
+    for index, hop in enumerate(hops):
+        hop += pad if index == 0 else 0
+        if offset + hop + LOOKAHEAD > tokens.shape[1]:
+            break
+        mels.append(flow.stream_step(tokens[:, offset : offset + hop + LOOKAHEAD], state, finalize=False))
+        offset += hop
+    mels.append(flow.stream_step(tokens[:, offset:], state, finalize=True))
+    return torch.cat(mels, dim=2)
+
+
+def _two_utterances(flow: CausalFlow, tts_golden) -> list[torch.Tensor]:
+    """A starts a chunk earlier; then A's second and B's first chunk run as one 4-row batch."""
+    tokens, voice = tts_golden["in_token"], _voice(flow, tts_golden)
+    pad = -tts_golden["in_prompt_token"].shape[1] % GRID
+    first = pad + 25
+    a, b = voice.clone(), voice.clone()
+    out_a = [flow.stream_step(tokens[:, : first + LOOKAHEAD], a, finalize=False)]
+    same = b.pending_prompt.shape[1] + first
+    a_next = tokens[:, first : first + same + LOOKAHEAD]
+    b_first = tokens[:, 5 : 5 + first + LOOKAHEAD]
+    mels = flow.stream_step_batch([a_next, b_first], [a, b], finalize=False)
+    out_a.append(mels[0])
+    tails = [tokens[:, first + same : first + same + 20], tokens[:, 5 + first : 25 + first]]
+    final = flow.stream_step_batch(tails, [a, b], finalize=True)
+    return [torch.cat([*out_a, final[0]], dim=2), torch.cat([mels[1], final[1]], dim=2)]
+
+
+def _with_runner(flow: CausalFlow, runner, run):
+    flow.decoder.estimator_runner = runner
+    try:
+        return run()
+    finally:
+        flow.decoder.estimator_runner = None
+
+
+@pytest.fixture(scope="module")
+def eager_stream(flow, tts_golden):
+    flow.decoder.estimator_runner = None
+    return _stream(flow, tts_golden, [25, 50, 100, 100])
+
+
+def test_a_streamed_utterance_through_static_steps_equals_the_eager_one(flow, tts_golden, eager_stream):
+    capture = CountingCapture()
+    runner = CapturedEstimator(
+        StreamingEstimator(flow.decoder.estimator),
+        buckets=Buckets(max_rows=8, key_quantum=64),
+        capture=capture,
+    )
+    got = _with_runner(flow, runner, lambda: _stream(flow, tts_golden, [25, 50, 100, 100]))
+    assert got.shape == eager_stream.shape and eager_stream.shape[2] > 300
+    assert (got - eager_stream).abs().max().item() <= TOL
+    steps = runner.stats.replays + runner.stats.eager
+    assert runner.stats.replays > 0 and capture.replays == runner.stats.replays
+    assert capture.captured == len(runner.stats.by_shape) < steps  # a bucket is captured once, replayed often
+    assert all(shape.rows == 2 and shape.keys % 64 == 0 for shape in runner.stats.by_shape)
+
+
+def test_pad_rows_and_utterances_at_different_positions_equal_eager(flow, tts_golden):
+    flow.decoder.estimator_runner = None
+    eager = _two_utterances(flow, tts_golden)
+    runner = CapturedEstimator(StreamingEstimator(flow.decoder.estimator), buckets=Buckets(max_rows=8))
+    got = _with_runner(flow, runner, lambda: _two_utterances(flow, tts_golden))
+    for e, g in zip(eager, got, strict=True):
+        assert (g - e).abs().max().item() <= TOL
+    assert any(shape.rows == 4 for shape in runner.stats.by_shape)  # the two-utterance batch
+
+
+def test_three_utterances_run_in_a_four_utterance_bucket_with_pad_rows(flow, tts_golden):
+    tokens, voice = tts_golden["in_token"], _voice(flow, tts_golden)
+    first = -tts_golden["in_prompt_token"].shape[1] % GRID + 25
+    chunks = [tokens[:, i : i + first + LOOKAHEAD] for i in (0, 7, 14)]
+
+    def run():
+        states = [voice.clone() for _ in chunks]
+        return flow.stream_step_batch(chunks, states, finalize=False)
+
+    flow.decoder.estimator_runner = None
+    eager = run()
+    runner = CapturedEstimator(StreamingEstimator(flow.decoder.estimator), buckets=Buckets(max_rows=8))
+    got = _with_runner(flow, runner, run)
+    assert {shape.rows for shape in runner.stats.by_shape} == {8}  # 6 rows padded to 8
+    for e, g in zip(eager, got, strict=True):
+        assert (g - e).abs().max().item() <= TOL
+
+
+def test_outside_every_bucket_or_past_the_memory_bound_runs_eagerly_and_is_counted(
+    flow, tts_golden, eager_stream
+):
+    module = StreamingEstimator(flow.decoder.estimator)
+    small = CapturedEstimator(module, buckets=Buckets(max_rows=8, max_keys=64), capture=run_eagerly)
+    got = _with_runner(flow, small, lambda: _stream(flow, tts_golden, [25, 50, 100, 100]))
+    assert (got - eager_stream).abs().max().item() <= TOL
+    assert small.stats.eager > 0 and small.stats.replays > 0  # long histories passed max_keys
+
+    capture = CountingCapture()
+    starved = CapturedEstimator(module, buckets=Buckets(max_rows=8), capture=capture, memory_mb=0.001)
+    got = _with_runner(flow, starved, lambda: _stream(flow, tts_golden, [25, 50]))
+    assert capture.captured == 0 and starved.stats.replays == 0 and starved.stats.eager > 0
+    assert starved.stats.bytes == 0

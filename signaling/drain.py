@@ -3,8 +3,11 @@
 Owned by the event loop. Once `Drain.run()` starts, `POST /v1/calls` answers 503 `draining` with
 `Retry-After` (a load balancer sends the caller elsewhere) and `/readyz` answers 503; each open call
 finishes the utterance it is speaking (or the first one queued) until `[server] drain_timeout_s` has
-passed, then gets `call.closing {reason: "server_draining"}` and is closed. Utterances queued behind
-the current one are not started: the call is closing.
+passed, then gets `call.closing {reason: "server_draining"}` and is closed. What is still unfinished
+then is interrupted first (`speech.interrupted`): utterances still waiting for their turn at once
+(nothing of them was played), one already synthesizing behind the current one as soon as the current
+one's `speech.done` is out (at most one 20 ms frame of it was sent, then a fade), and the current one
+itself at the deadline.
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ class Drain:
 
     async def _finish(self, call: Call, deadline: float) -> None:
         utterance_id = call.current_utterance()
+        if utterance_id is not None:
+            dropped = call.speech.cancel_queued()  # nothing new enters the ring behind the current one
+            if dropped and dropped[0] == utterance_id:  # the current one was itself still waiting
+                utterance_id = None
         handle = call.speech.get(utterance_id) if utterance_id else None
         if handle is not None and not call.closed.is_set():
             try:
@@ -59,6 +66,8 @@ class Drain:
                 logger.info("call %s: utterance %s cut by the drain timeout", call.call_id, utterance_id)
         if call.closed.is_set():
             return
+        if call.speech.pending:  # queued behind it, or the current one at the deadline: cut (faded)
+            call.interrupt()
         call.send_event({"type": "call.closing", "reason": CLOSING_REASON})
         await asyncio.sleep(FLUSH_S)
         await call.close("server draining")

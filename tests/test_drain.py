@@ -140,8 +140,9 @@ async def test_drain_finishes_the_current_utterance_not_the_queued_ones():
     # still waits for its turn (nothing of it in the ring)
     async with api(server={"drain_timeout_s": 30.0}, fake={"rtf": 1.0}) as client:
         call_id, peer = await open_call(client)
+        speak = f"/v1/calls/{call_id}/speak"
         first, second = [
-            (await (await client.post(f"/v1/calls/{call_id}/speak", json={"text": text})).json())["utterance_id"]
+            (await (await client.post(speak, json={"text": text})).json())["utterance_id"]
             for text in ("Short one.", "Queued behind it.")
         ]
         await peer.wait_event("speech.started", utterance_id=first)
@@ -159,4 +160,3 @@ async def test_drain_with_no_calls_returns_at_once():
         assert client.app[DRAIN].draining
         health = await client.get("/healthz")
         assert health.status == 200  # liveness is not readiness
-

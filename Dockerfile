@@ -9,12 +9,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     HF_HUB_OFFLINE=1
 
-# libsndfile: soundfile; libgomp: torch and onnxruntime threads
+# libsndfile: soundfile; libgomp: torch and onnxruntime threads. Not pinned (DL3008): bookworm's
+# security updates replace old versions, and the base tag already pins the Debian release.
+# hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends libsndfile1 libgomp1 \
     && rm -rf /var/lib/apt/lists/*
 
-RUN useradd --system --uid 10001 --create-home --home-dir /home/voicertc voicertc \
+RUN groupadd --system --gid 10001 voicertc \
+    && useradd --system --no-log-init --uid 10001 --gid 10001 --create-home --home-dir /home/voicertc voicertc \
     && mkdir -p /models /voices /etc/voicertc \
     && chown voicertc:voicertc /voices
 
@@ -28,7 +31,7 @@ COPY web ./web
 RUN pip install -e ".[cpu-voice,cosyvoice,listen]"
 COPY docker/config.toml /etc/voicertc/config.toml
 
-USER voicertc
+USER 10001:10001
 VOLUME ["/models", "/voices"]
 EXPOSE 8080/tcp 50000-50100/udp
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \

@@ -28,8 +28,8 @@ from browser_helpers import (
     write_config,
 )
 from test_browser import transcribe, word_error_rate
-from turn_helpers import Turn, coturn
 
+from bench.coturn import Turn, coturn
 from voicertc.turn import turn_credentials
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]

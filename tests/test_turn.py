@@ -16,8 +16,8 @@ import pytest
 from aiortc import RTCIceServer
 from api_helpers import api, expect_error
 from call_helpers import PeerClient, rms
-from turn_helpers import Turn, coturn
 
+from bench.coturn import Turn, coturn
 from voicertc.config import config_from_dict
 from voicertc.errors import ConfigError
 from voicertc.turn import IceServer, ice_servers_for, turn_credentials

@@ -1,6 +1,6 @@
-"""A real coturn (Debian's `turnserver`) on loopback for the TURN tests: a random shared secret, free
-ports, the TURN REST API scheme (`use-auth-secret`), loopback peers allowed (the server's candidates
-are 127.0.0.1). `make test` installs the `coturn` package."""
+"""A real coturn (Debian's `turnserver`) on loopback for the TURN tests and bench.relay_latency: a random
+shared secret, free ports, the TURN REST API scheme (`use-auth-secret`), loopback peers allowed (the
+server's candidates are 127.0.0.1). `make test` installs the `coturn` package."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ class Turn:
     port: int
     relay_ports: tuple[int, int]
     log: Path
+    pid: int
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -101,7 +102,7 @@ def coturn(start_timeout_s: float = 10.0) -> Iterator[Turn]:
             assert time.monotonic() < deadline, "turnserver did not start"
             time.sleep(0.05)
         time.sleep(0.1)  # the listeners open right after the relay ports
-        yield Turn(f"turn:127.0.0.1:{port}?transport=udp", secret, port, (low, high), log)
+        yield Turn(f"turn:127.0.0.1:{port}?transport=udp", secret, port, (low, high), log, proc.pid)
     finally:
         proc.terminate()
         try:

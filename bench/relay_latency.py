@@ -151,6 +151,8 @@ port = 0
 loopback_only = true
 [engine]
 backend = "{engine}"
+[limits]
+max_pending_calls = {calls}
 [turn]
 secret = "{turn.secret}"
 urls = ["{turn.url}"]

@@ -20,6 +20,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from signaling.auth import principal
+from signaling.errors import ApiError
 from voicertc.config import Config, ServerConfig
 from voicertc.turn import IceServer, ice_servers_for
 
@@ -30,6 +31,7 @@ CORS_METHODS = "GET, POST, PATCH, DELETE, OPTIONS"
 CORS_HEADERS = "Authorization, Content-Type, If-Match"
 CORS_EXPOSED = "Location, Link, Retry-After, X-Ignored-Media"
 CORS_MAX_AGE_S = 600
+ICE_TRANSPORT_POLICIES = ("relay", "all")
 
 net_routes = web.RouteTableDef()
 
@@ -43,8 +45,15 @@ def _servers(request: web.Request, user_id: str | None = None) -> list[IceServer
 
 @net_routes.get("/v1/ice-servers")
 async def ice_servers(request: web.Request) -> web.Response:
-    servers = [server.as_json() for server in _servers(request)]
-    return web.json_response({"ice_servers": servers}, headers={"Cache-Control": "no-store"})
+    """`?ice_transport_policy=relay|all` is echoed as the policy the client should gather with
+    (RTCConfiguration.iceTransportPolicy): "relay" forces the TURN relay, for testing it."""
+    body: dict[str, object] = {"ice_servers": [server.as_json() for server in _servers(request)]}
+    policy = request.query.get("ice_transport_policy")
+    if policy is not None:
+        if policy not in ICE_TRANSPORT_POLICIES:
+            raise ApiError(400, "bad_request", "query parameter 'ice_transport_policy' must be relay or all")
+        body["ice_transport_policy"] = policy
+    return web.json_response(body, headers={"Cache-Control": "no-store"})
 
 
 @net_routes.options("/v1/calls")

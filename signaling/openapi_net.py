@@ -24,11 +24,25 @@ def _ice_servers(config: Config) -> dict[str, Any]:
             "description": "`[webrtc] ice_servers` as they are, and `[turn] urls` with fresh credentials "
             f"valid {ttl} s (`[turn] ttl_s`) in coturn's TURN REST API scheme: username `<expiry unix "
             "time>:<id>`, credential base64(HMAC-SHA1(`[turn] secret`, username)). Never the secret.",
+            "parameters": [
+                {
+                    "name": "ice_transport_policy",
+                    "in": "query",
+                    "required": False,
+                    "schema": {"enum": ["relay", "all"]},
+                    "description": "Echoed as `ice_transport_policy`: `relay` makes the page gather only "
+                    "relay candidates (testing the relay).",
+                }
+            ],
             "responses": {
+                "400": {
+                    "description": "`ice_transport_policy` is neither relay nor all (`bad_request`).",
+                    "content": {JSON: {"schema": {"$ref": "#/components/schemas/Error"}}},
+                },
                 "200": {
                     "description": "The ICE servers (`[]` when none are configured).",
                     "content": {JSON: {"schema": {"$ref": "#/components/schemas/IceServers"}}},
-                }
+                },
             },
         }
     }
@@ -52,7 +66,10 @@ def net_schemas() -> dict[str, Any]:
         "IceServers": {
             "type": "object",
             "required": ["ice_servers"],
-            "properties": {"ice_servers": {"type": "array", "items": server}},
+            "properties": {
+                "ice_servers": {"type": "array", "items": server},
+                "ice_transport_policy": {"enum": ["relay", "all"]},
+            },
         }
     }
 

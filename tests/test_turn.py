@@ -120,6 +120,9 @@ async def test_ice_servers_endpoint_options_and_link_headers():
 async def test_no_turn_configured_hands_out_nothing():
     async with api() as client:
         assert await (await client.get("/v1/ice-servers")).json() == {"ice_servers": []}
+        relay = await client.get("/v1/ice-servers?ice_transport_policy=relay")
+        assert await relay.json() == {"ice_servers": [], "ice_transport_policy": "relay"}
+        await expect_error(await client.get("/v1/ice-servers?ice_transport_policy=x"), 400, "bad_request")
         options = await client.options("/v1/calls")
         assert options.status == 204 and "Link" not in options.headers
 

@@ -104,11 +104,13 @@ async function call() {
   }
 }
 
-// The STUN/TURN servers (with fresh TURN credentials) the server hands out; [] when it has none.
-async function fetchIceServers() {
-  const resp = await fetch("/v1/ice-servers", { headers: authHeaders }).catch(() => null);
-  if (!resp || resp.status !== 200) return [];
-  return (await resp.json()).ice_servers;
+// The STUN/TURN servers (with fresh TURN credentials) the server hands out ({ice_servers: []} when it
+// has none), and the transport policy: "relay" when the page asks for it (the server echoes it).
+async function fetchIceServers(relay) {
+  const url = relay ? "/v1/ice-servers?ice_transport_policy=relay" : "/v1/ice-servers";
+  const resp = await fetch(url, { headers: authHeaders }).catch(() => null);
+  if (!resp || resp.status !== 200) return { ice_servers: [] };
+  return resp.json();
 }
 
 function relayOnly() {
@@ -116,10 +118,11 @@ function relayOnly() {
 }
 
 async function startCall() {
-  const iceServers = await fetchIceServers();
+  const handOut = await fetchIceServers(relayOnly());
+  const iceServers = handOut.ice_servers;
   state.iceServers = iceServers;
   state.iceErrors = [];
-  const iceTransportPolicy = relayOnly() ? "relay" : "all";
+  const iceTransportPolicy = handOut.ice_transport_policy || (relayOnly() ? "relay" : "all");
   const pc = new RTCPeerConnection({ iceServers, iceTransportPolicy });
   state.pc = pc;
   pc.onicecandidateerror = (ev) => {

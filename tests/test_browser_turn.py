@@ -91,14 +91,15 @@ async def test_chromium_with_bad_credentials_never_connects(server_url, turn: Tu
         username, credential = turn_credentials("guessed-secret", "intruder", now + 600)
     else:
         username, credential = turn_credentials(turn.secret, "late", now - 60)
-    body = {"ice_servers": [{"urls": [turn.url], "username": username, "credential": credential}]}
+    servers = [{"urls": [turn.url], "username": username, "credential": credential}]
+    body = {"ice_servers": servers, "ice_transport_policy": "relay"}
 
     async with browser_page() as page:
 
         async def bad_hand_out(route) -> None:
             await route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
 
-        await page.route("**/v1/ice-servers", bad_hand_out)
+        await page.route("**/v1/ice-servers*", bad_hand_out)  # with or without ?ice_transport_policy
         await page.goto(server_url + "/?ice_transport_policy=relay")
         await page.click("#call")
         await wait_for(page, "voicertc.state.location !== null", timeout_s=15)

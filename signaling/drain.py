@@ -47,7 +47,11 @@ class Drain:
         calls = list(self.registry.calls.values())
         logger.info("draining: %d open calls, up to %.1f s", len(calls), self.timeout_s)
         deadline = asyncio.get_running_loop().time() + self.timeout_s
-        await asyncio.gather(*(self._finish(call, deadline) for call in calls), return_exceptions=True)
+        results = await asyncio.gather(*(self._finish(c, deadline) for c in calls), return_exceptions=True)
+        for call, result in zip(calls, results, strict=True):
+            if isinstance(result, Exception):  # one call's failure must not stop the others' drain
+                logger.warning("call %s: drain failed (%s); closing it", call.call_id, result)
+                await call.close("server draining")
         logger.info("drained")
 
     async def _finish(self, call: Call, deadline: float) -> None:

@@ -81,6 +81,7 @@ def patch_aioice_port_range(port_min: int, port_max: int) -> Callable[[], None]:
     logger.info("ICE host candidates bound to UDP ports %d..%d", port_min, port_max)
 
     def restore() -> None:
-        aioice.ice.asyncio = original
+        if aioice.ice.asyncio is view:  # a later patch on top stays until it is undone itself
+            aioice.ice.asyncio = original
 
     return restore

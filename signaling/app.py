@@ -21,6 +21,7 @@ from signaling import net
 from signaling.audio_ws import audio_routes
 from signaling.auth import auth_middleware, principal
 from signaling.drain import DRAIN, Drain, drain_middleware
+from signaling.drain import RETRY_AFTER_S as DRAIN_RETRY_AFTER_S
 from signaling.errors import ApiError, error_response
 from signaling.metrics import Metrics
 from signaling.openapi import openapi_spec
@@ -206,7 +207,7 @@ async def _readyz(request: web.Request) -> web.Response:
         return web.json_response(
             {"status": "not_ready", "reason": "draining", "engine": request.app[CONFIG].engine.backend},
             status=503,
-            headers={"Retry-After": "5"},
+            headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)},
         )
     if ready:
         return web.json_response({"status": "ready", "engine": request.app[CONFIG].engine.backend})

@@ -9,13 +9,13 @@ ARGS ?=
 # proves the server, the browser test and the bundled models need nothing beyond loopback.
 OFFLINE := $(shell tests/offline_netns.sh true >/dev/null 2>&1 && echo tests/offline_netns.sh)
 
-.PHONY: serve test install install-dev chromium lint typecheck bench clean
+.PHONY: serve test install install-dev chromium coturn lint typecheck bench clean
 
 serve: install
 	$(BIN)/voicertc serve $(ARGS)
 
 # The static checks first (mypy on the package, ruff on everything): CI runs exactly this target.
-test: install-dev chromium typecheck lint
+test: install-dev chromium coturn typecheck lint
 	HF_HUB_OFFLINE=1 $(OFFLINE) $(BIN)/python -m pytest -q $(ARGS)
 
 install: $(VENV)/.installed
@@ -37,6 +37,12 @@ chromium:
 	@command -v chromium >/dev/null || { \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium; }
+
+# Debian's coturn for the TURN relay tests (tests/turn_helpers.py starts it on loopback; never as a service).
+coturn:
+	@command -v turnserver >/dev/null || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -q && $$SUDO apt-get install -y -q coturn; }
 
 lint: install-dev
 	$(BIN)/ruff check voicertc signaling tests bench

@@ -22,7 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiortc import (
+    RTCConfiguration,
+    RTCIceServer,
+    RTCIceTransportPolicy,
+    RTCPeerConnection,
+    RTCSessionDescription,
+)
 from aiortc.mediastreams import MediaStreamError
 
 # Debian's Chromium (never a downloaded browser) and the flags that make WebRTC work headless.
@@ -109,10 +115,19 @@ def process_cpu_s(pid: int) -> float:
 class HttpPeer:
     """One call from the client side. Owned by the benchmark's event loop."""
 
-    def __init__(self, http: aiohttp.ClientSession, base_url: str) -> None:
+    def __init__(
+        self,
+        http: aiohttp.ClientSession,
+        base_url: str,
+        ice_servers: list[RTCIceServer] | None = None,
+        relay_only: bool = False,
+    ) -> None:
+        """`relay_only` gathers only TURN relay candidates from `ice_servers` (a caller behind a NAT
+        that only a relay crosses)."""
         self.http = http
         self.base_url = base_url.rstrip("/")
-        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        policy = RTCIceTransportPolicy.RELAY if relay_only else RTCIceTransportPolicy.ALL
+        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=ice_servers or [], iceTransportPolicy=policy))
         self.call_id = ""
         self.events: list[dict[str, Any]] = []
         self.event_arrived = asyncio.Event()

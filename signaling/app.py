@@ -17,8 +17,11 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from signaling import net
 from signaling.audio_ws import audio_routes
 from signaling.auth import auth_middleware, principal
+from signaling.drain import DRAIN, Drain, drain_middleware
+from signaling.drain import RETRY_AFTER_S as DRAIN_RETRY_AFTER_S
 from signaling.errors import ApiError, error_response
 from signaling.metrics import Metrics
 from signaling.openapi import openapi_spec
@@ -32,6 +35,7 @@ from voicertc.engine.protocol import Engine
 from voicertc.errors import ConfigError, EngineStoppedError
 from voicertc.listen.models import load_listen_models
 from voicertc.webrtc.loopback import patch_aioice_loopback
+from voicertc.webrtc.ports import patch_aioice_port_range
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +54,12 @@ def create_app(config: Config, engine: Engine | None = None) -> web.Application:
     if not static_dir.is_dir():
         raise ConfigError(f"server.static_dir: {str(static_dir)!r} is not a folder")
     app = web.Application(
-        middlewares=[_errors, auth_middleware(config.auth)],
+        middlewares=[
+            net.cors_middleware(config.server),  # preflights first: they carry no token
+            _errors,
+            auth_middleware(config.auth),
+            drain_middleware(),
+        ],
         client_max_size=4 * 1024 * 1024,
         handler_args={"logger": ProtocolLogger(logging.getLogger("aiohttp.server"))},
     )
@@ -62,6 +71,8 @@ def create_app(config: Config, engine: Engine | None = None) -> web.Application:
     app[METRICS] = metrics
     app[REGISTRY] = CallRegistry(engine, config, metrics)
     app[VOICES] = VoiceAdmin(engine, config.limits)
+    app[DRAIN] = Drain(app[REGISTRY], config.server.drain_timeout_s)
+    net.install(app, config)  # GET /v1/ice-servers, OPTIONS /v1/calls, Link and CORS headers
     app.add_routes(routes)
     app.add_routes(voice_routes)
     app.add_routes(audio_routes)  # GET /v1/calls/{id}/audio (WebSocket of the caller's mic)
@@ -77,6 +88,9 @@ def create_app(config: Config, engine: Engine | None = None) -> web.Application:
     async def start_engine(_app: web.Application) -> None:
         if config.webrtc.loopback_only:
             restore_ice.append(patch_aioice_loopback())  # offer 127.0.0.1 (aioice skips it by default)
+        if config.webrtc.udp_port_min:
+            ports = (config.webrtc.udp_port_min, config.webrtc.udp_port_max)
+            restore_ice.append(patch_aioice_port_range(*ports))  # host candidates inside the range
         # [listen] models first: one that does not load stops the start (ConfigError naming the package)
         await asyncio.get_running_loop().run_in_executor(None, load_listen_models, config.listen)
         loading = asyncio.get_running_loop().run_in_executor(None, engine.start)  # loads models off the loop
@@ -189,6 +203,12 @@ async def _readyz(request: web.Request) -> web.Response:
     (and after it stopped). `/healthz` is liveness."""
     engine = request.app[ENGINE]
     ready = engine.ready
+    if request.app[DRAIN].draining:
+        return web.json_response(
+            {"status": "not_ready", "reason": "draining", "engine": request.app[CONFIG].engine.backend},
+            status=503,
+            headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)},
+        )
     if ready:
         return web.json_response({"status": "ready", "engine": request.app[CONFIG].engine.backend})
     reason = engine.not_ready_reason or "engine not ready"

@@ -12,6 +12,7 @@ from pathlib import Path
 from aiohttp import web
 
 from signaling.app import create_app, http_url, listen_error
+from signaling.drain import DRAIN
 from voicertc.config import BACKENDS, ENGINE_KINDS, Config, load_config
 from voicertc.errors import ConfigError, VoiceRTCError
 
@@ -57,8 +58,10 @@ def resolve_config(args: argparse.Namespace) -> Config:
 
 
 async def serve(config: Config) -> None:
-    """Run until SIGINT/SIGTERM, then close every call and stop the engine."""
-    runner = web.AppRunner(create_app(config), handle_signals=False)
+    """Run until SIGINT/SIGTERM, drain (calls finish their current utterance, up to
+    `server.drain_timeout_s`; a second signal cuts it short), then close every call and stop the engine."""
+    app = create_app(config)
+    runner = web.AppRunner(app, handle_signals=False)
     await runner.setup()  # starts the engine
     try:
         await web.TCPSite(runner, config.server.host, config.server.port).start()
@@ -70,13 +73,20 @@ async def serve(config: Config) -> None:
         f"voicertc serving on {http_url(config.server.host, port)}/ (engine {config.engine.backend})",
         flush=True,
     )
-    stop = asyncio.Event()
+    signals = asyncio.Queue[int]()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
     try:
-        await stop.wait()
-        logger.info("shutting down")
+        logger.info("%s: draining, then shutting down", signal.Signals(await signals.get()).name)
+        drain = asyncio.ensure_future(app[DRAIN].run())
+        again = asyncio.ensure_future(signals.get())
+        await asyncio.wait({drain, again}, return_when=asyncio.FIRST_COMPLETED)
+        if not drain.done():
+            logger.info("second signal: drain cut short")
+            drain.cancel()
+        again.cancel()
+        await asyncio.wait({drain, again})
     finally:
         await runner.cleanup()
         logger.info("stopped")

@@ -9,7 +9,13 @@ import json
 from typing import Any
 
 import numpy as np
-from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiortc import (
+    RTCConfiguration,
+    RTCIceServer,
+    RTCIceTransportPolicy,
+    RTCPeerConnection,
+    RTCSessionDescription,
+)
 from aiortc.mediastreams import AudioStreamTrack, MediaStreamError
 
 from voicertc.config import Config, config_from_dict
@@ -30,9 +36,18 @@ def fake_config(**sections: dict[str, Any]) -> Config:
 class PeerClient:
     """The browser side of a call, in-process. Owned by the test's event loop."""
 
-    def __init__(self, audio: bool = True, channel: bool = True, mic: bool = False) -> None:
-        """`mic` offers sendrecv audio with a (silent) microphone track instead of recvonly."""
-        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    def __init__(
+        self,
+        audio: bool = True,
+        channel: bool = True,
+        mic: bool = False,
+        ice_servers: list[RTCIceServer] | None = None,
+        relay_only: bool = False,
+    ) -> None:
+        """`mic` offers sendrecv audio with a (silent) microphone track instead of recvonly;
+        `relay_only` gathers only TURN relay candidates from `ice_servers`."""
+        policy = RTCIceTransportPolicy.RELAY if relay_only else RTCIceTransportPolicy.ALL
+        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=ice_servers or [], iceTransportPolicy=policy))
         self.events: list[dict[str, Any]] = []
         self.event_arrived = asyncio.Event()
         self.pcm: list[np.ndarray] = []

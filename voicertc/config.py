@@ -22,11 +22,24 @@ class ServerConfig:
     use_uvloop: bool = True
     static_dir: str = ""
     public_url: str = ""
+    cors_origins: tuple[str, ...] = ()
+    drain_timeout_s: float = 10.0
 
     def validate(self) -> None:
         _check(0 <= self.port <= 65535, "server.port", "must be 0..65535")
         ok_url = not self.public_url or self.public_url.startswith(("http://", "https://"))
         _check(ok_url, "server.public_url", "must be empty or an http(s):// URL")
+        _check(
+            all(o == "*" or _is_origin(o) for o in self.cors_origins),
+            "server.cors_origins",
+            'must hold "*" or origins like "https://app.example.com" (scheme://host[:port], no path)',
+        )
+        _check(0 <= self.drain_timeout_s <= 3600, "server.drain_timeout_s", "must be 0..3600")
+
+
+def _is_origin(origin: str) -> bool:
+    scheme, sep, rest = origin.partition("://")
+    return scheme in ("http", "https") and bool(sep) and bool(rest) and not any(c in rest for c in "/?# ")
 
 
 @dataclass(frozen=True)
@@ -41,8 +54,20 @@ class WebRTCConfig:
     pending_timeout_s: float = 10.0
     keepalive_timeout_s: float = 10.0
     trim_leading_silence_ms: int = 100
+    udp_port_min: int = 0
+    udp_port_max: int = 0
 
     def validate(self) -> None:
+        ice_ok = all(u.startswith(("stun:", "stuns:", "turn:", "turns:")) for u in self.ice_servers)
+        _check(ice_ok, "webrtc.ice_servers", "must hold stun:/stuns:/turn:/turns: URLs")
+        if (self.udp_port_min, self.udp_port_max) != (0, 0):  # 0, 0 = any port the kernel picks
+            ok_min = 1024 <= self.udp_port_min <= 65535
+            _check(ok_min, "webrtc.udp_port_min", "must be 1024..65535 (or both 0)")
+            _check(
+                self.udp_port_min <= self.udp_port_max <= 65535,
+                "webrtc.udp_port_max",
+                "must be udp_port_min..65535 (or both 0)",
+            )
         _check(self.frame_ms in (10, 20), "webrtc.frame_ms", "must be 10 or 20")
         _check(self.sample_rate_hz == 48000, "webrtc.sample_rate_hz", "must be 48000 (Opus)")
         _check(0 <= self.interrupt_fade_ms <= 100, "webrtc.interrupt_fade_ms", "must be 0..100")
@@ -50,6 +75,23 @@ class WebRTCConfig:
         _check(0 < self.pending_timeout_s <= 300, "webrtc.pending_timeout_s", "must be > 0 and <= 300")
         _check(self.keepalive_timeout_s > 0, "webrtc.keepalive_timeout_s", "must be > 0")
         _check(0 <= self.trim_leading_silence_ms <= 1000, "webrtc.trim_leading_silence_ms", "must be 0..1000")
+
+
+@dataclass(frozen=True)
+class TurnConfig:
+    """A TURN relay that shares `secret` with this server (coturn `use-auth-secret`): clients get
+    credentials that expire after `ttl_s`, never the secret."""
+
+    secret: str = ""
+    urls: tuple[str, ...] = ()
+    ttl_s: int = 3600
+
+    def validate(self) -> None:
+        turn_ok = all(u.startswith(("turn:", "turns:")) for u in self.urls)
+        _check(turn_ok, "turn.urls", "must hold turn: or turns: URLs")
+        _check(not self.urls or bool(self.secret), "turn.secret", "is required when turn.urls is set")
+        _check(not self.secret or bool(self.urls), "turn.urls", "is required when turn.secret is set")
+        _check(60 <= self.ttl_s <= 7 * 86400, "turn.ttl_s", "must be 60..604800")
 
 
 BACKENDS = ("piper", "fake", "cosyvoice2", "cosyvoice3")  # the models an engine runs (in-process or replica)
@@ -344,6 +386,7 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    turn: TurnConfig = field(default_factory=TurnConfig)
     listen: ListenConfig = field(default_factory=ListenConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 

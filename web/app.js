@@ -5,7 +5,10 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const token = new URLSearchParams(location.search).get("token");
+const query = new URLSearchParams(location.search);
+const token = query.get("token");
+// ?ice_transport_policy=relay (or the Relay only box) gathers only TURN relay candidates (testing TURN)
+const RELAY_QUERY = query.get("ice_transport_policy") === "relay";
 const authHeaders = token ? { Authorization: `Bearer ${token}` } : {};
 const PING_MS = 2000;
 const DISCONNECTED_GRACE_MS = 5000; // a "disconnected" call that does not recover within this is hung up
@@ -30,6 +33,8 @@ const state = {
   eventTimes: [], // performance.now() when each event in `events` arrived
   clip: null, // the clip (File or recorded Blob) a new voice is registered from
   recorder: null, // MediaRecorder while recording a clip
+  iceServers: null, // what GET /v1/ice-servers handed out for the current call
+  iceErrors: [], // icecandidateerror events of the current call: {url, errorCode, errorText}
 };
 
 function log(line) {
@@ -99,9 +104,32 @@ async function call() {
   }
 }
 
+// The STUN/TURN servers (with fresh TURN credentials) the server hands out ({ice_servers: []} when it
+// has none), and the transport policy: "relay" when the page asks for it (the server echoes it).
+async function fetchIceServers(relay) {
+  const url = relay ? "/v1/ice-servers?ice_transport_policy=relay" : "/v1/ice-servers";
+  const resp = await fetch(url, { headers: authHeaders }).catch(() => null);
+  if (!resp || resp.status !== 200) return { ice_servers: [] };
+  return resp.json();
+}
+
+function relayOnly() {
+  return RELAY_QUERY || $("relay").checked;
+}
+
 async function startCall() {
-  const pc = new RTCPeerConnection({ iceServers: [] });
+  const handOut = await fetchIceServers(relayOnly());
+  const iceServers = handOut.ice_servers;
+  state.iceServers = iceServers;
+  state.iceErrors = [];
+  const iceTransportPolicy = handOut.ice_transport_policy || (relayOnly() ? "relay" : "all");
+  const pc = new RTCPeerConnection({ iceServers, iceTransportPolicy });
   state.pc = pc;
+  pc.onicecandidateerror = (ev) => {
+    state.iceErrors.push({ url: ev.url, errorCode: ev.errorCode, errorText: ev.errorText });
+    log(`ICE server ${ev.url}: ${ev.errorCode} ${ev.errorText}`);
+  };
+  if (iceTransportPolicy === "relay") log(`relay only, via ${iceServers.flatMap((s) => s.urls).join(", ") || "no TURN server"}`);
   if ($("mic").checked) {
     // two-way: the mic goes on the audio transceiver (sendrecv); the browser cancels our own voice
     const mic = await navigator.mediaDevices.getUserMedia({ audio: MIC_CONSTRAINTS });
@@ -219,6 +247,21 @@ function drawLevel() {
   $("level").style.width = `${Math.max(0, Math.min(100, ((db + 60) / 60) * 100))}%`;
 }
 
+// The candidate types of the pair ICE selected ({local, remote}: host | srflx | prflx | relay), or null.
+async function selectedPair() {
+  if (!state.pc) return null;
+  const report = await state.pc.getStats();
+  let pairId = null;
+  report.forEach((s) => {
+    if (s.type === "transport" && s.selectedCandidatePairId) pairId = s.selectedCandidatePairId;
+  });
+  const pair = pairId && report.get(pairId);
+  if (!pair) return null;
+  const local = report.get(pair.localCandidateId);
+  const remote = report.get(pair.remoteCandidateId);
+  return { local: local && local.candidateType, remote: remote && remote.candidateType };
+}
+
 async function pollStats() {
   if (!state.pc) return;
   const report = await state.pc.getStats();
@@ -231,6 +274,8 @@ async function pollStats() {
       $("s-rtt").textContent = `${(1000 * s.currentRoundTripTime).toFixed(1)} ms`;
     }
   });
+  const pair = await selectedPair();
+  if (pair) $("s-path").textContent = `${pair.local} → ${pair.remote}`;
 }
 
 function send(message) {
@@ -383,6 +428,7 @@ $("mic").onchange = toggleMic;
 $("voice-record").onclick = () => toggleRecord().catch((err) => setVoiceStatus(`cannot record: ${err.message || err}`));
 $("voice-file").onchange = () => setClip($("voice-file").files[0] || null, "file");
 $("voice-register").onclick = () => registerVoice();
+if (RELAY_QUERY) $("relay").checked = true;
 refreshVoices();
 
 window.voicertc = {
@@ -398,6 +444,7 @@ window.voicertc = {
     return $("voice").value === id;
   },
   connectionState: () => (state.pc ? state.pc.connectionState : "idle"),
+  selectedPair,
   channelOpen,
   // Block levels of the mic and of what is heard, with performance.now() times (tests, benchmarks).
   recordLevels: () => {

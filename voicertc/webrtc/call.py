@@ -313,6 +313,10 @@ class Call:
         else:
             self._on_close.append(callback)
 
+    def send_event(self, event: ClientEvent) -> None:
+        """Tell the client something (data channel and every event subscriber), e.g. `call.closing`."""
+        self._emit(event)
+
     def _emit(self, event: ClientEvent) -> None:
         if self.on_event is not None:
             self.on_event(event)

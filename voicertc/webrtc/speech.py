@@ -346,6 +346,22 @@ class SpeechQueue:
             self._finish(handle, event)
         return about, (played_ms if about == playing_id else 0.0)
 
+    def cancel_queued(self) -> list[str]:
+        """Cancel the utterances still waiting for their turn (not opened in the engine, so none of
+        their audio is in the ring): each reports `speech.interrupted` with nothing played. The one
+        open in the engine and the one playing are left alone. Returns the cancelled ids."""
+        waiting = [h for h in self._queue if not h.finished]
+        self._queue.clear()
+        for handle in waiting:
+            event: ClientEvent = {
+                "type": "speech.interrupted",
+                "utterance_id": handle.utterance_id,
+                "played_ms": 0.0,
+                "heard_text": "",
+            }
+            self._finish(handle, event)
+        return [h.utterance_id for h in waiting]
+
     def _finish(self, handle: SpeechHandle, event: ClientEvent) -> None:
         if handle.finished:
             return

@@ -42,8 +42,7 @@ def golden_voice(model: CosyVoice2Model, golden_dir: Path, voice_id: str = GOLDE
     """The golden flow prompt (17 tokens, 34 frames) as a voice without an LLM prompt."""
     tts = load_file(golden_dir / "cv2_tts_tiny_flow_tiny_hift.safetensors")
     return voice_from_features(
-        model,
-        tts["in_prompt_token"], tts["in_prompt_feat"], tts["in_embedding"], voice_id=voice_id
+        model, tts["in_prompt_token"], tts["in_prompt_feat"], tts["in_embedding"], voice_id=voice_id
     )
 
 

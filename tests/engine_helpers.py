@@ -86,6 +86,20 @@ class EventLog:
         with self.cond:
             return [e for e in self.events if e.utterance_id == utterance_id]
 
+    def wait_for(self, utterance_id: str, kind: type, timeout_s: float = 20.0) -> EngineEvent:
+        """The first event of type `kind` for the utterance (waiting for it)."""
+
+        def found() -> EngineEvent | None:
+            return next(
+                (e for e in self.events if e.utterance_id == utterance_id and isinstance(e, kind)), None
+            )
+
+        with self.cond:
+            assert self.cond.wait_for(lambda: found() is not None, timeout_s), f"no {kind.__name__} event"
+            event = found()
+        assert event is not None
+        return event
+
     def wait_terminal(self, utterance_ids, timeout_s: float = 20.0) -> None:
         from voicertc.engine import Cancelled, Done, Failed
 

@@ -75,8 +75,7 @@ def test_each_mode_assembles_the_reference_input(model, voices):
     )  # not doubled
 
     sft = voice_from_features(
-        model,
-        torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, 80), torch.randn(1, 192)
+        model, torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, 80), torch.randn(1, 192)
     )
     assert llm_prompt(sft).mode == "sft" and lm_input_segments(llm_prompt(sft), tts)[3] == ("speech", ())
 

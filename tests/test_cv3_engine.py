@@ -68,8 +68,7 @@ def test_whole_text_speaks_two_tokens_per_text_token(model):
 
 def test_every_prompt_carries_endofprompt(model):
     sft = voice_from_features(
-        model,
-        torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, 80), torch.ones(1, 192)
+        model, torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, 80), torch.ones(1, 192)
     )
     encode = model.text_frontend.encode
     for prompt in (v3_prompt(sft, "", encode), v3_prompt(sft, "Speak slowly.", encode)):

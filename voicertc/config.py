@@ -214,6 +214,7 @@ class LimitsConfig:
     voice_max_s: float = 30.0
     voice_max_bytes: int = 10 * 1024 * 1024
     max_utterance_s: float = 120.0
+    max_speech_tokens_per_segment: int = 2000  # CosyVoice: the LLM stops here (80 s of speech at 25 Hz)
 
     def validate(self) -> None:
         _check(self.max_text_chars >= 1, "limits.max_text_chars", "must be >= 1")
@@ -230,6 +231,11 @@ class LimitsConfig:
             "must be 1 KiB..100 MiB",
         )
         _check(1 <= self.max_utterance_s <= 3600, "limits.max_utterance_s", "must be 1..3600")
+        _check(
+            25 <= self.max_speech_tokens_per_segment <= 90_000,
+            "limits.max_speech_tokens_per_segment",
+            "must be 25..90000",
+        )
 
 
 @dataclass(frozen=True)

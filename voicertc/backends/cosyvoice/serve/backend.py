@@ -75,7 +75,8 @@ class BackendOptions:
     kv_capacity: int = 512  # positions per row preallocated (doubles when needed)
     sampling: SamplingMode = "ras"
     seed: int | None = None  # per-utterance RNGs from seed + crc32(utterance id); None = random
-    max_segment_tokens: int | None = None  # cap on speech tokens per LLM call (tests, benchmarks)
+    max_segment_tokens: int | None = None  # hard cap on speech tokens per LLM call ([limits])
+    speed_window_tokens: int = 500  # a speed-changed segment's flow call covers this many tokens at most
     cuda_graphs: bool = False  # batched decode as CUDA graph replays, one per batch bucket (CUDA only)
     graph_rows: int = 16  # the largest decode bucket captured (more rows decode eagerly)
 
@@ -316,10 +317,16 @@ class CosyVoice2Backend:
             return [text.strip()]
 
     def _open_t2w(self, st: Cv2State) -> Token2WavStream:
-        speed = {"speed": st.speed} if st.speed != 1.0 else {}  # (only streams that honour it get it)
+        speed: dict[str, float | int] = {}  # only streams that honour it get it
+        if st.speed != 1.0:
+            speed = {"speed": st.speed, "speed_window_tokens": self.options.speed_window_tokens}
         return token2wav_stream(
-        self.model,
-            st.voice, self.schedule, generator=st.hift_generator, pcm_to_host=self.lane.to_host, **speed
+            self.model,
+            st.voice,
+            self.schedule,
+            generator=st.hift_generator,
+            pcm_to_host=self.lane.to_host,
+            **speed,
         )
 
     def _start_segment(self, utterance_id: str, st: Cv2State) -> str:
@@ -455,9 +462,9 @@ class CosyVoice2Backend:
 
     def _flow_group(self, group: Sequence[Cv2Job]) -> list[StepResult]:
         final = bool(getattr(group[0].work, "final", False))
-        whole = final and (
-            self.schedule.final_chunk == "reference" or any(self._state(j).speed != 1.0 for j in group)
-        )  # the reference's full-attention last call (or the only call of a non-streaming utterance)
+        whole = (final and self.schedule.final_chunk == "reference") or any(
+            self._state(j).speed != 1.0 for j in group
+        )  # the reference's full-attention last call, or a window of a non-streaming (speed) segment
         if whole and len(group) > 1:
             return [r for job in group for r in self._flow_group([job])]  # a whole-utterance recompute each
         try:
@@ -616,7 +623,11 @@ def create_backend(config: Config) -> CosyVoice2Backend:
         grid_tokens=s.grid_tokens or None,
         final_chunk=s.final_chunk,  # type: ignore[arg-type]
     )
-    options = BackendOptions(cuda_graphs=engine.cuda_graphs, graph_rows=engine.max_batch)
+    options = BackendOptions(
+        cuda_graphs=engine.cuda_graphs,
+        graph_rows=engine.max_batch,
+        max_segment_tokens=config.limits.max_speech_tokens_per_segment,
+    )
     streamer = llm_streamer(model, engine)
     backend = CosyVoice2Backend(model, schedule, engine.voices_dir or None, options, streamer)
     if streamer is not None:

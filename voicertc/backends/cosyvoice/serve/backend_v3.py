@@ -25,7 +25,12 @@ from voicertc.backends.cosyvoice.llm.v3 import ENDOFPROMPT_ID
 from voicertc.backends.cosyvoice.load import load_v3 as load
 from voicertc.backends.cosyvoice.load.files import torch_dtype
 from voicertc.backends.cosyvoice.load.v3 import CosyVoice3Model
-from voicertc.backends.cosyvoice.serve.backend import SAMPLE_RATE_HZ, CosyVoice2Backend, Cv2Job
+from voicertc.backends.cosyvoice.serve.backend import (
+    SAMPLE_RATE_HZ,
+    BackendOptions,
+    CosyVoice2Backend,
+    Cv2Job,
+)
 from voicertc.backends.cosyvoice.serve.device_lane import resolve_device
 from voicertc.backends.cosyvoice.serve.modes import LlmPrompt, llm_prompt
 from voicertc.backends.cosyvoice.serve.state import Cv2State
@@ -175,6 +180,7 @@ def create_backend(config: Config) -> CosyVoice3Backend:
         grid_tokens=s.grid_tokens or None,
         final_chunk=s.final_chunk,  # type: ignore[arg-type]
     )
-    backend = CosyVoice3Backend(model, schedule, engine.voices_dir or None)
+    options = BackendOptions(max_segment_tokens=config.limits.max_speech_tokens_per_segment)
+    backend = CosyVoice3Backend(model, schedule, engine.voices_dir or None, options)
     backend.warm_up()
     return backend

@@ -79,7 +79,8 @@ class Token2WavStream:
     emitted_tokens: int = 0  # tokens whose mel has been emitted
     chunk_index: int = 0
     finished: bool = False
-    speed: float = 1.0  # != 1: non-streaming (one whole-utterance chunk, mel re-timed), as the reference
+    speed: float = 1.0  # != 1: non-streaming (whole-segment chunks, mel re-timed), as the reference
+    speed_window_tokens: int = 500  # a non-streaming chunk's tokens at most (20 s): bounded flow calls
 
     def __post_init__(self) -> None:
         check_schedule(self.schedule, self.flow)
@@ -112,20 +113,27 @@ class Token2WavStream:
     @property
     def streaming(self) -> bool:
         """False with a speed change: the reference changes speed only in non-streaming synthesis
-        (cosyvoice.md §6.2), so the whole segment is one final chunk."""
+        (cosyvoice.md §6.2), so a segment is one full-attention chunk — or, past
+        `speed_window_tokens`, several (each window its own full-attention call, so a flow call's memory
+        and time stay bounded whatever the segment's length, and a cancel lands between windows)."""
         return self.speed == 1.0
 
     def ready(self) -> bool:
-        """The next non-final chunk has all its tokens (incl. lookahead)."""
-        if self.finished or self.flow_state is None or not self.streaming:
+        """The next non-final chunk has all its tokens (incl. lookahead; a whole window without streaming)."""
+        if self.finished or self.flow_state is None:
             return False
+        if not self.streaming:
+            return len(self.tokens) - self.emitted_tokens > self.speed_window_tokens
         return self.schedule.ready(self.chunk_index, self.prompt_tokens, len(self.tokens))
 
     def next_chunk(self) -> tuple[int, int] | None:
         """(tokens still to generate, flow advance) of the next non-final chunk; None once spent."""
         state = self.flow_state
-        if self.finished or state is None or not self.streaming:
+        if self.finished or state is None:
             return None
+        if not self.streaming:
+            window = self.speed_window_tokens
+            return max(0, self.emitted_tokens + window + 1 - len(self.tokens)), window
         end = self.schedule.chunk_end_tokens(self.chunk_index, self.prompt_tokens)
         need = end + self.schedule.lookahead_tokens - len(self.tokens)
         return max(0, need), state.pending_prompt.shape[1] + end - self.emitted_tokens
@@ -144,6 +152,11 @@ class Token2WavStream:
             return None
         start = self.emitted_tokens
         pending = state.pending_prompt.shape[1]
+        if self.ready() and not self.streaming:
+            end = start + self.speed_window_tokens
+            return ChunkPlan(
+                torch.tensor([self.tokens[start:end]], dtype=torch.long), end, end - start, False
+            )
         if self.ready():
             end = self.schedule.chunk_end_tokens(self.chunk_index, self.prompt_tokens)
             look = self.schedule.lookahead_tokens
@@ -169,7 +182,7 @@ class Token2WavStream:
     def retime(self, plan: ChunkPlan, mel: Tensor) -> Tensor:
         """The reference's speed change: the whole mel linearly interpolated to len / speed frames."""
         # mel: [1, 80, F] -> [1, 80, int(F / speed)]
-        if not plan.final or self.streaming:
+        if self.streaming:
             return mel
         frames = max(1, int(mel.shape[2] / self.speed))
         return torch.nn.functional.interpolate(mel, size=frames, mode="linear")
@@ -179,6 +192,16 @@ class Token2WavStream:
         non-streaming utterance) recomputes the whole utterance with full attention (the official last
         call) and keeps its new frames, re-timed by `speed`."""
         assert self.flow_state is not None
+        if not self.streaming:  # a window of a non-streaming segment: its own full-attention call
+            if self.reference_prompt is None:
+                raise ValueError("a speed change needs the voice's flow prompt (reference_prompt)")
+            prompt_tokens, prompt_feat, embedding = self.reference_prompt
+            tokens = torch.tensor([self.tokens[self.emitted_tokens : plan.end_tokens]], dtype=torch.long)
+            window = self.flow.infer(
+                tokens, prompt_tokens, prompt_feat, embedding, streaming=False, finalize=True
+            )
+            self.flow_state.finished = plan.final
+            return self.retime(plan, window)
         if plan.final and self.full_attention_final:
             if self.reference_prompt is None:
                 raise ValueError("final_chunk 'reference' needs the voice's flow prompt (reference_prompt)")

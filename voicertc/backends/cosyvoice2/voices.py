@@ -309,7 +309,8 @@ class VoiceStore:
             "name": voice.name, "kind": voice.kind, "created_s": voice.created_s,
         }  # fmt: skip
         meta_json = json.dumps(meta, ensure_ascii=False)
-        _atomic(voice_path(self.directory, voice.voice_id, ".safetensors"), lambda p: save_file(tensors, str(p)))
+        tensors_path = voice_path(self.directory, voice.voice_id, ".safetensors")
+        _atomic(tensors_path, lambda p: save_file(tensors, str(p)))
         _atomic(voice_path(self.directory, voice.voice_id, ".json"), lambda p: p.write_text(meta_json))
 
     def load(self, model: CosyVoice2Model, voice_id: str) -> Voice:

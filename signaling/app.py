@@ -19,13 +19,15 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from signaling.audio_ws import audio_routes
 from signaling.auth import auth_middleware, principal
+from signaling.edges import CLIENT_CLOSED, body_guard
 from signaling.errors import ApiError, error_response
 from signaling.metrics import Metrics
 from signaling.openapi import openapi_spec
 from signaling.registry import CallRegistry
 from signaling.routes import REGISTRY, routes
 from signaling.voice_admin import VoiceAdmin
-from signaling.voice_routes import VOICES, voice_routes
+from signaling.voice_owners import VoiceOwners
+from signaling.voice_routes import VOICE_OWNERS, VOICES, voice_routes
 from voicertc.config import Config
 from voicertc.engine.factory import create_engine
 from voicertc.engine.protocol import Engine
@@ -50,7 +52,7 @@ def create_app(config: Config, engine: Engine | None = None) -> web.Application:
     if not static_dir.is_dir():
         raise ConfigError(f"server.static_dir: {str(static_dir)!r} is not a folder")
     app = web.Application(
-        middlewares=[_errors, auth_middleware(config.auth)],
+        middlewares=[_errors, body_guard(config.server.body_timeout_s), auth_middleware(config.auth)],
         client_max_size=4 * 1024 * 1024,
         handler_args={"logger": ProtocolLogger(logging.getLogger("aiohttp.server"))},
     )
@@ -62,6 +64,7 @@ def create_app(config: Config, engine: Engine | None = None) -> web.Application:
     app[METRICS] = metrics
     app[REGISTRY] = CallRegistry(engine, config, metrics)
     app[VOICES] = VoiceAdmin(engine, config.limits)
+    app[VOICE_OWNERS] = app[REGISTRY].voice_owners = VoiceOwners(config.limits, config.engine.voices_dir)
     app.add_routes(routes)
     app.add_routes(voice_routes)
     app.add_routes(audio_routes)  # GET /v1/calls/{id}/audio (WebSocket of the caller's mic)
@@ -133,7 +136,7 @@ def listen_error(config: Config, exc: OSError) -> ConfigError:
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error leaves as JSON `{"error": {"code", "message"}}` and is counted in /metrics."""
     response = await _error_json(request, handler)
-    if response.status >= 400:
+    if response.status >= 400 and response.status != CLIENT_CLOSED:  # a client that left is no error
         request.app[METRICS].http_error(response.status)
     return response
 
@@ -174,7 +177,7 @@ async def _healthz(request: web.Request) -> web.Response:
     caller = principal(request)
     if caller.sees_details:
         body["engine"] = request.app[CONFIG].engine.backend
-        body["voices"] = engine.voices()  # type: ignore[attr-defined]
+        body["voices"] = request.app[REGISTRY].voices_for(caller)
         body["active_calls"] = request.app[REGISTRY].count_for(caller)
     return web.json_response(body, status=200 if running else 503)
 

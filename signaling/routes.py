@@ -176,7 +176,7 @@ async def speak(request: web.Request) -> web.Response:
         raise ApiError(400, "bad_request", '"interrupt" must be true or false')
     call = _call(request)
     if voice:
-        _registry(request).check_voice(voice)
+        _registry(request).check_voice(voice, principal(request))
     mode = {"instruct": body.get("instruct"), "speed": body.get("speed")}  # checked by call.speak
     handle = _speak(call, text, voice, interrupt, **mode)
     return web.json_response({"utterance_id": handle.utterance_id}, status=202)
@@ -266,7 +266,7 @@ async def _speak_stream(request: web.Request, call: Call, voice: str | None, int
     The utterance id is known at once: it goes out as `speech.queued` on the data channel and SSE.
     """
     if voice:
-        _registry(request).check_voice(voice)
+        _registry(request).check_voice(voice, principal(request))
     mode: dict[str, Any] = {"instruct": request.query.get("instruct")}
     if "speed" in request.query:
         try:

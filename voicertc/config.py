@@ -22,9 +22,11 @@ class ServerConfig:
     use_uvloop: bool = True
     static_dir: str = ""
     public_url: str = ""
+    body_timeout_s: float = 10.0
 
     def validate(self) -> None:
         _check(0 <= self.port <= 65535, "server.port", "must be 0..65535")
+        _check(0 < self.body_timeout_s <= 600, "server.body_timeout_s", "must be > 0 and <= 600")
         ok_url = not self.public_url or self.public_url.startswith(("http://", "https://"))
         _check(ok_url, "server.public_url", "must be empty or an http(s):// URL")
 
@@ -172,9 +174,15 @@ class LimitsConfig:
     voice_max_s: float = 30.0
     voice_max_bytes: int = 10 * 1024 * 1024
     max_utterance_s: float = 120.0
+    max_voices: int = 64
+    max_voices_per_token: int = 8
+    max_pending_total: int = 8
 
     def validate(self) -> None:
         _check(self.max_text_chars >= 1, "limits.max_text_chars", "must be >= 1")
+        _check(0 <= self.max_voices <= 100_000, "limits.max_voices", "must be 0..100000")
+        _check(0 <= self.max_voices_per_token <= 100_000, "limits.max_voices_per_token", "must be 0..100000")
+        _check(self.max_pending_total >= 1, "limits.max_pending_total", "must be >= 1")
         _check(self.max_calls >= 1, "limits.max_calls", "must be >= 1")
         _check(self.max_pending_calls >= 1, "limits.max_pending_calls", "must be >= 1")
         _check(self.max_utterances >= 1, "limits.max_utterances", "must be >= 1")

@@ -62,6 +62,7 @@ class Call:
         self.call_id = call_id
         self.config = config
         self.default_voice = voice
+        self.voice_check: Callable[[str], None] | None = None  # raises UnknownVoiceError (the owner's voices)
         self.loop = asyncio.get_running_loop()
         self.created_s = self.loop.time()
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=ice_servers(config)))
@@ -174,6 +175,8 @@ class Call:
             raise CallClosedError(f"call {self.call_id} is closed")
         options = speak_options(self.speech.engine, instruct, speed)
         voice = voice or self.default_voice
+        if voice and self.voice_check is not None:
+            self.voice_check(voice)
         if interrupt:
             self.speech.check(text, voice)
             self.interrupt()

@@ -282,7 +282,18 @@ def _schemas(config: Config) -> dict[str, Any]:
                 "underrun_frames": {
                     "type": "integer",
                     "minimum": 0,
-                    "description": "Silence frames sent while an utterance was playing (engine behind).",
+                    "description": "Frames of a playing utterance not sent on time, whatever the cause: "
+                    "silence sent (engine behind) or frames skipped when a stalled loop re-anchored.",
+                },
+                "late_frames": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "description": "Frames sent more than one frame (20 ms) after their due time.",
+                },
+                "gaps_over_100ms": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "description": "Pauses of more than 100 ms between two consecutive frames sent.",
                 },
                 "queued_ms": {"type": "number", "minimum": 0, "description": "Audio buffered, not yet sent."},
                 "listening": {"type": "boolean", "description": "The caller's microphone is listened to."},

@@ -424,6 +424,8 @@ class Call:
             "utterances": self.utterances,
             "interrupts": self.interrupts,
             "underrun_frames": stats.underrun_frames,
+            "late_frames": stats.late_frames,
+            "gaps_over_100ms": stats.gaps_over_100ms,
             "frames_sent": stats.frames_sent,
             "barge_ins": self.barge_ins,
             "user_speech_segments": self.listener.speech_segments if self.listener else 0,
@@ -438,6 +440,8 @@ class Call:
             "pending_utterances": self.speech.pending,
             "frames_sent": stats.frames_sent,
             "underrun_frames": stats.underrun_frames,
+            "late_frames": stats.late_frames,
+            "gaps_over_100ms": stats.gaps_over_100ms,
             "queued_ms": round(self.ring.queued_ms, 1),
             "listening": self.listener is not None,
         }

@@ -74,7 +74,9 @@ def _paths(config: Config) -> dict[str, Any]:
                             f"{limits.max_pending_calls} calls of this token (of this client address without "
                             "auth) have not connected yet (limits.max_pending_calls, "
                             "`too_many_pending_calls`); an answered call must connect within "
-                            f"{config.webrtc.pending_timeout_s:g} s (webrtc.pending_timeout_s)."
+                            f"{config.webrtc.pending_timeout_s:g} s (webrtc.pending_timeout_s). Also when "
+                            f"{limits.max_pending_total} calls of all clients are pending "
+                            "(limits.max_pending_total)."
                         ),
                         "headers": {"Retry-After": {"schema": {"type": "string"}}},
                     },
@@ -423,7 +425,25 @@ def openapi_spec(config: Config) -> dict[str, Any]:
             "description": "Real-time WebRTC text-to-speech calls. With `[auth] tokens` set, every /v1 "
             "request needs `Authorization: Bearer <token>` (401 without, 403 wrong).",
         },
-        "paths": _secured({**_paths(config), **voice_paths(config)}, config),
+        "paths": _with_body_timeout(_secured({**_paths(config), **voice_paths(config)}, config), config),
         "components": {"schemas": {**_schemas(config), **voice_schemas()}, "securitySchemes": bearer},
         "security": [{"bearer": []}] if config.auth.enabled else [],
     }
+
+
+def _with_body_timeout(paths: dict[str, Any], config: Config) -> dict[str, Any]:
+    """Every operation with a request body may answer 408 `body_timeout` (signaling/edges.py)."""
+    timeout = _error(
+        f"The request body did not arrive within {config.server.body_timeout_s:g} s "
+        "(server.body_timeout_s, `body_timeout`); the connection is closed."
+    )
+    for item in paths.values():
+        for operation in item.values():
+            if not isinstance(operation, dict) or "requestBody" not in operation:
+                continue
+            known = operation["responses"].get("408")
+            if known is None:
+                operation["responses"]["408"] = timeout
+            else:
+                known["description"] += f" Or: {timeout['description']}"
+    return paths

@@ -36,6 +36,7 @@ from voicertc.listen.bargein import BargeInDecision
 from voicertc.listen.listener import CallListener
 from voicertc.validate import BadJsonError, parse_json
 from voicertc.webrtc.loopback import loopback_only_sdp
+from voicertc.webrtc.sctp_limits import limit_inbound_messages
 from voicertc.webrtc.speech import ClientEvent, SpeechHandle, SpeechQueue, speak_options
 from voicertc.webrtc.track import PlayoutEvent, SpeechTrack
 
@@ -62,6 +63,7 @@ class Call:
         self.call_id = call_id
         self.config = config
         self.default_voice = voice
+        self._max_message_bytes = 0  # the answer's max-message-size, once the offer had a data channel
         self.voice_check: Callable[[str], None] | None = None  # raises UnknownVoiceError (the owner's voices)
         self.loop = asyncio.get_running_loop()
         self.created_s = self.loop.time()
@@ -119,6 +121,8 @@ class Call:
         )
         check_audio_codecs(audio[:1])
         await self.pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer"))
+        if self.pc.sctp is not None:  # refuse data-channel messages over the answer's max-message-size
+            self._max_message_bytes = limit_inbound_messages(self.pc.sctp, self._on_message_too_large)
         self.pc.addTrack(self.track)  # takes the offer's audio transceiver
         for transceiver in self.pc.getTransceivers():
             if transceiver.kind == "audio":
@@ -349,6 +353,28 @@ class Call:
             self._dispatch(kind, data)
         except VoiceRTCError as exc:
             self._emit(_error(exc.code, str(exc)))
+
+    def _on_message_too_large(self, stream_id: int, held_bytes: int) -> None:
+        """Runs inside aiortc's SCTP receive: only schedule the refusal."""
+        self.loop.call_soon(self._refuse_channel, stream_id, held_bytes)
+
+    def _refuse_channel(self, stream_id: int, held_bytes: int) -> None:
+        logger.warning(
+            "call %s: data channel message over %d bytes (%d held) on stream %d; closing the channel",
+            self.call_id,
+            self._max_message_bytes,
+            held_bytes,
+            stream_id,
+        )
+        self._emit(
+            _error(
+                "message_too_large",
+                f"a data channel message passed {self._max_message_bytes} bytes (the answer's "
+                "max-message-size); the channel is closed, the call goes on",
+            )
+        )
+        if self.channel is not None and self.channel.id == stream_id:
+            self.channel.close()
 
     def _dispatch(self, kind: Any, data: dict[str, Any]) -> None:
         if kind == "ping":

@@ -257,6 +257,8 @@ class ListenConfig:
     backchannels: tuple[str, ...] = DEFAULT_BACKCHANNELS
     transcribe: bool = True
     whisper_threads: int = 1
+    whisper_workers: int = 0
+    transcript_queue: int = 8
     partial_every_ms: int = 400
     max_segment_s: float = 30.0
     inbound_buffer_ms: int = 2000
@@ -281,6 +283,8 @@ class ListenConfig:
             '"words" needs listen.transcribe = true (the words come from the transcript)',
         )
         _check(1 <= self.whisper_threads <= 16, "listen.whisper_threads", "must be 1..16")
+        _check(0 <= self.whisper_workers <= 16, "listen.whisper_workers", "must be 0 (auto) ..16")
+        _check(1 <= self.transcript_queue <= 1000, "listen.transcript_queue", "must be 1..1000")
         _check(100 <= self.partial_every_ms <= 5000, "listen.partial_every_ms", "must be 100..5000")
         _check(1 <= self.max_segment_s <= 120, "listen.max_segment_s", "must be 1..120")
         _check(1 <= self.mic_jitter_frames <= 8, "listen.mic_jitter_frames", "must be 1..8")

@@ -211,7 +211,11 @@ class Call:
         from voicertc.listen.transcriber import shared_transcriber
 
         listen = self.config.listen
-        transcriber = shared_transcriber(listen.whisper_threads) if listen.transcribe else None
+        transcriber = (
+            shared_transcriber(listen.whisper_threads, listen.whisper_workers, listen.transcript_queue)
+            if listen.transcribe
+            else None
+        )
         self.listener = CallListener(
             self.call_id, listen, self._emit, self.current_utterance, self._on_barge_in, transcriber
         )

@@ -385,7 +385,8 @@ def _schemas(config: Config) -> dict[str, Any]:
             "(heard_text: the text of the utterance's chunks whose audio had started playing; barge_in: "
             "speech | words when the caller's voice cut it), error {code, "
             "message, utterance_id?}; from the caller's microphone (two-way calls): user.speech.started "
-            "{at_ms}, user.speech.stopped {at_ms, duration_ms}, user.transcript {text, start_ms, end_ms}; "
+            "{at_ms}, user.speech.stopped {at_ms, duration_ms}, user.transcript {text, start_ms, end_ms, "
+            "dropped?} (dropped: true when Whisper's bounded queue dropped the segment); "
             "SSE ends with call.closed {reason}, or error {code: events_overflow} when the "
             "client fell too far behind.",
             "type": "object",

@@ -20,6 +20,7 @@ from signaling.voice_owners import VoiceOwners
 from voicertc.audio.decode import AudioError
 from voicertc.errors import InputError, UnknownVoiceError
 from voicertc.validate import BadJsonError, BadTextError, check_text, parse_json
+from voicertc.voice_ids import same_file_name
 
 VOICES = web.AppKey("voices", VoiceAdmin)
 VOICE_OWNERS = web.AppKey("voice_owners", VoiceOwners)
@@ -164,11 +165,18 @@ async def _register(request: web.Request) -> VoiceInfo:
     audio = fields.get("audio")
     if not isinstance(audio, bytes) or not audio:
         raise ApiError(400, "audio_missing", 'the "audio" field (the clip file) is missing or empty')
+    voice_id = _optional_str(fields, "id")
+    if voice_id is not None:
+        for known in await admin.list():
+            if same_file_name(voice_id, str(known["id"])):
+                raise ApiError(
+                    409, "voice_exists", f"voice {voice_id!r} differs from an existing voice only in case"
+                )
     try:
         info = await admin.register(
             audio,
             _optional_str(fields, "transcript"),
-            voice_id=_optional_str(fields, "id"),
+            voice_id=voice_id,
             name=_optional_str(fields, "name"),
         )
     except AudioError as exc:

@@ -157,3 +157,11 @@ async def test_owners_caps_dotted_ids_and_a_restart(speaking_dir, tmp_path):
         await register(client, ALICE, "a.d", "Alice three.")  # the slot came back
         resp = await client.delete("/v1/voices/bob", headers=bearer(ADMIN))  # an admin deletes anyone's
         assert resp.status == 200
+        # an id that differs only in case would share files on a case-insensitive file system
+        data = aiohttp.FormData()
+        data.add_field("audio", clip("wav"), filename="clip.wav")
+        data.add_field("id", "A.C")
+        msg = await expect(
+            await client.post("/v1/voices", data=data, headers=bearer(ADMIN)), 409, "voice_exists"
+        )
+        assert "only in case" in msg

@@ -22,7 +22,7 @@ class ServerConfig:
     use_uvloop: bool = True
     static_dir: str = ""
     public_url: str = ""
-    body_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
 
     def validate(self) -> None:
         _check(0 <= self.port <= 65535, "server.port", "must be 0..65535")

@@ -22,13 +22,15 @@ from signaling.audio_ws import audio_routes
 from signaling.auth import auth_middleware, principal
 from signaling.drain import DRAIN, Drain, drain_middleware
 from signaling.drain import RETRY_AFTER_S as DRAIN_RETRY_AFTER_S
+from signaling.edges import CLIENT_CLOSED, body_guard
 from signaling.errors import ApiError, error_response
 from signaling.metrics import Metrics
 from signaling.openapi import openapi_spec
 from signaling.registry import CallRegistry
 from signaling.routes import REGISTRY, routes
 from signaling.voice_admin import VoiceAdmin
-from signaling.voice_routes import VOICES, voice_routes
+from signaling.voice_owners import VoiceOwners
+from signaling.voice_routes import VOICE_OWNERS, VOICES, voice_routes
 from voicertc.assemble import create_engine
 from voicertc.config import Config
 from voicertc.engine.protocol import Engine
@@ -57,6 +59,7 @@ def create_app(config: Config, engine: Engine | None = None) -> web.Application:
         middlewares=[
             net.cors_middleware(config.server),  # preflights first: they carry no token
             _errors,
+            body_guard(config.server.body_timeout_s),
             auth_middleware(config.auth),
             drain_middleware(),
         ],
@@ -73,6 +76,7 @@ def create_app(config: Config, engine: Engine | None = None) -> web.Application:
     app[VOICES] = VoiceAdmin(engine, config.limits)
     app[DRAIN] = Drain(app[REGISTRY], config.server.drain_timeout_s)
     net.install(app, config)  # GET /v1/ice-servers, OPTIONS /v1/calls, Link and CORS headers
+    app[VOICE_OWNERS] = app[REGISTRY].voice_owners = VoiceOwners(config.limits, config.engine.voices_dir)
     app.add_routes(routes)
     app.add_routes(voice_routes)
     app.add_routes(audio_routes)  # GET /v1/calls/{id}/audio (WebSocket of the caller's mic)
@@ -147,7 +151,7 @@ def listen_error(config: Config, exc: OSError) -> ConfigError:
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error leaves as JSON `{"error": {"code", "message"}}` and is counted in /metrics."""
     response = await _error_json(request, handler)
-    if response.status >= 400:
+    if response.status >= 400 and response.status != CLIENT_CLOSED:  # a client that left is no error
         request.app[METRICS].http_error(response.status)
     return response
 
@@ -188,7 +192,7 @@ async def _healthz(request: web.Request) -> web.Response:
     caller = principal(request)
     if caller.sees_details:
         body["engine"] = request.app[CONFIG].engine.backend
-        body["voices"] = engine.voices()
+        body["voices"] = request.app[REGISTRY].voices_for(caller)
         body["active_calls"] = request.app[REGISTRY].count_for(caller)
     return web.json_response(body, status=200 if running else 503)
 

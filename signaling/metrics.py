@@ -16,7 +16,9 @@ Sample = tuple[dict[str, str], float]  # (labels, value) of one Prometheus sampl
 CALL_COUNTERS = {
     "utterances": "Utterances requested.",
     "interrupts": "Interrupts (barge-ins) that cut an utterance.",
-    "underrun_frames": "Silence frames sent while an utterance was playing.",
+    "underrun_frames": "Frames of a playing utterance not sent on time (silence, or skipped by a re-anchor).",
+    "late_frames": "Frames sent more than one frame after their due time (engine, event loop or CPU behind).",
+    "gaps_over_100ms": "Pauses of more than 100 ms between two frames sent.",
     "frames_sent": "Audio frames sent.",
     "barge_ins": "Utterances cut because the caller spoke ([listen] barge_in).",
     "user_speech_segments": "Caller speech segments detected (user.speech.started).",

@@ -75,7 +75,9 @@ def _paths(config: Config) -> dict[str, Any]:
                             f"{limits.max_pending_calls} calls of this token (of this client address without "
                             "auth) have not connected yet (limits.max_pending_calls, "
                             "`too_many_pending_calls`); an answered call must connect within "
-                            f"{config.webrtc.pending_timeout_s:g} s (webrtc.pending_timeout_s)."
+                            f"{config.webrtc.pending_timeout_s:g} s (webrtc.pending_timeout_s). Also when "
+                            f"{limits.max_pending_total} calls of all clients are pending "
+                            "(limits.max_pending_total)."
                         ),
                         "headers": {"Retry-After": {"schema": {"type": "string"}}},
                     },
@@ -283,7 +285,18 @@ def _schemas(config: Config) -> dict[str, Any]:
                 "underrun_frames": {
                     "type": "integer",
                     "minimum": 0,
-                    "description": "Silence frames sent while an utterance was playing (engine behind).",
+                    "description": "Frames of a playing utterance not sent on time, whatever the cause: "
+                    "silence sent (engine behind) or frames skipped when a stalled loop re-anchored.",
+                },
+                "late_frames": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "description": "Frames sent more than one frame (20 ms) after their due time.",
+                },
+                "gaps_over_100ms": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "description": "Pauses of more than 100 ms between two consecutive frames sent.",
                 },
                 "queued_ms": {"type": "number", "minimum": 0, "description": "Audio buffered, not yet sent."},
                 "listening": {"type": "boolean", "description": "The caller's microphone is listened to."},
@@ -373,7 +386,8 @@ def _schemas(config: Config) -> dict[str, Any]:
             "(heard_text: the text of the utterance's chunks whose audio had started playing; barge_in: "
             "speech | words when the caller's voice cut it), error {code, "
             "message, utterance_id?}; from the caller's microphone (two-way calls): user.speech.started "
-            "{at_ms}, user.speech.stopped {at_ms, duration_ms}, user.transcript {text, start_ms, end_ms}; "
+            "{at_ms}, user.speech.stopped {at_ms, duration_ms}, user.transcript {text, start_ms, end_ms, "
+            "dropped?} (dropped: true when Whisper's bounded queue dropped the segment); "
             "SSE ends with call.closed {reason}, or error {code: events_overflow} when the "
             "client fell too far behind.",
             "type": "object",
@@ -413,10 +427,30 @@ def openapi_spec(config: Config) -> dict[str, Any]:
             "description": "Real-time WebRTC text-to-speech calls. With `[auth] tokens` set, every /v1 "
             "request needs `Authorization: Bearer <token>` (401 without, 403 wrong).",
         },
-        "paths": _secured(with_net({**_paths(config), **voice_paths(config)}, config), config),
+        "paths": _with_body_timeout(
+            _secured(with_net({**_paths(config), **voice_paths(config)}, config), config), config
+        ),
         "components": {
             "schemas": {**_schemas(config), **voice_schemas(), **net_schemas()},
             "securitySchemes": bearer,
         },
         "security": [{"bearer": []}] if config.auth.enabled else [],
     }
+
+
+def _with_body_timeout(paths: dict[str, Any], config: Config) -> dict[str, Any]:
+    """Every operation with a request body may answer 408 `body_timeout` (signaling/edges.py)."""
+    timeout = _error(
+        f"The request body did not arrive within {config.server.body_timeout_s:g} s "
+        "(server.body_timeout_s, `body_timeout`); the connection is closed."
+    )
+    for item in paths.values():
+        for operation in item.values():
+            if not isinstance(operation, dict) or "requestBody" not in operation:
+                continue
+            known = operation["responses"].get("408")
+            if known is None:
+                operation["responses"]["408"] = timeout
+            else:
+                known["description"] += f" Or: {timeout['description']}"
+    return paths

@@ -18,7 +18,10 @@ def _voice(description: str) -> dict[str, Any]:
 
 
 VOICE_ID = {"name": "voice_id", "in": "path", "required": True, "schema": {"type": "string"}}
-UNKNOWN_VOICE = _error("No such voice (`unknown_voice`).")
+UNKNOWN_VOICE = _error(
+    "No such voice (`unknown_voice`), or another token's: a registered voice belongs to the token that "
+    "registered it (admin tokens see all)."
+)
 
 
 def voice_paths(config: Config) -> dict[str, Any]:
@@ -76,6 +79,11 @@ def voice_paths(config: Config) -> dict[str, Any]:
                     "413": _error(
                         "The audio file is larger than limits.voice_max_bytes (`audio_too_large`)."
                     ),
+                    "429": _error(
+                        f"`too_many_voices`: {limits.max_voices} voices are registered (limits.max_voices), "
+                        "or "
+                        f"this token owns {limits.max_voices_per_token} (limits.max_voices_per_token)."
+                    ),
                     "415": _error("Content-Type is neither multipart/form-data nor application/json."),
                     "503": _error("The engine is not running (`engine_stopped`)."),
                 },
@@ -92,6 +100,9 @@ def voice_paths(config: Config) -> dict[str, Any]:
                 "responses": {
                     "200": {"description": '`{"id", "deleted": true}`'},
                     "400": _error("The engine cannot delete voices (`not_supported`)."),
+                    "403": _error(
+                        "A registered voice with no owner: only an admin token deletes it (`forbidden`)."
+                    ),
                     "404": UNKNOWN_VOICE,
                     "409": _error("A spk2info.pt voice cannot be deleted (`voice_read_only`)."),
                 },

@@ -7,6 +7,7 @@ then (`queue_new_calls`) are answered calls kept for it, so a plain server holds
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import uuid
@@ -15,9 +16,10 @@ from collections import Counter, deque
 from signaling.auth import ANONYMOUS, Principal
 from signaling.errors import ApiError
 from signaling.metrics import Metrics
+from signaling.voice_owners import VoiceOwners
 from voicertc.config import Config
 from voicertc.engine.protocol import Engine
-from voicertc.errors import EngineStoppedError
+from voicertc.errors import EngineStoppedError, UnknownVoiceError
 from voicertc.webrtc.call import Call
 from voicertc.webrtc.speech import ClientEvent
 
@@ -37,6 +39,7 @@ class CallRegistry:
         self._owners: dict[str, str | None] = {}  # call id -> digest of the token that created it
         self._pending_keys: dict[str, str] = {}  # call id -> who it counts against for max_pending_calls
         self._reserved: Counter[str] = Counter()  # offers being answered right now, by pending key
+        self.voice_owners: VoiceOwners | None = None  # set by the app: registered voices have owners
         self.queue_new_calls = False  # set by an embedder (VoiceServer) that takes calls with next_call()
         self._new_calls: deque[Call] = deque()  # answered, open, not yet taken by next_call()
         self._new_call_arrived = asyncio.Event()
@@ -76,11 +79,20 @@ class CallRegistry:
                 "(limits.max_pending_calls); connect them or wait",
                 {"Retry-After": str(retry_s)},
             )
+        if self.pending_total() >= limits.max_pending_total:
+            raise ApiError(
+                429,
+                "too_many_pending_calls",
+                f"{limits.max_pending_total} calls of all clients have not connected yet "
+                "(limits.max_pending_total); try again when they connect or time out",
+                {"Retry-After": str(math.ceil(self.config.webrtc.pending_timeout_s))},
+            )
         if voice:
-            self.check_voice(voice)
+            self.check_voice(voice, owner)
         self._reserved[key] += 1
         try:
             call = Call(uuid.uuid4().hex[:16], self.engine, self.config, voice=voice)
+            call.voice_check = functools.partial(self.check_voice_of, owner)
             try:
                 answer = await call.answer(offer_sdp)
             except Exception as exc:
@@ -115,10 +127,27 @@ class CallRegistry:
         )
         return waiting + self._reserved[key]
 
-    def check_voice(self, voice: str) -> None:
-        voices = self.engine.voices()
+    def pending_total(self) -> int:
+        """Calls of every client being answered or not connected yet."""
+        waiting = sum(1 for call in self.calls.values() if call.connected_s is None)
+        return waiting + self._reserved.total()
+
+    def voices_for(self, caller: Principal) -> list[str]:
+        """The engine's voices `caller` may speak with (another token's registered voices left out)."""
+        voices = list(self.engine.voices())
+        return voices if self.voice_owners is None else self.voice_owners.visible(voices, caller)
+
+    def check_voice(self, voice: str, caller: Principal = ANONYMOUS) -> None:
+        """400 `unknown_voice` for a voice that does not exist or is another token's (the same answer)."""
+        try:
+            self.check_voice_of(caller, voice)
+        except UnknownVoiceError as exc:
+            raise ApiError(400, exc.code, str(exc)) from None
+
+    def check_voice_of(self, caller: Principal, voice: str) -> None:
+        voices = self.voices_for(caller)
         if voice not in voices:
-            raise ApiError(400, "unknown_voice", f"unknown voice {voice!r}; available: {', '.join(voices)}")
+            raise UnknownVoiceError(f"unknown voice {voice!r}; available: {', '.join(voices)}")
 
     def get(self, call_id: str, caller: Principal) -> Call:
         """The call, if `caller` may use it: another token's call is as unknown as a missing one."""

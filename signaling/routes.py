@@ -168,14 +168,17 @@ async def speak(request: web.Request) -> web.Response:
     if request.content_type != "application/json":
         raise _unsupported(request, f"application/json or {NDJSON}")
     body = await _json_body(request)
-    speak_request = _parse_speak({**fields, **body}, _registry(request))
+    speak_request = _parse_speak({**fields, **body}, request)
     handle = _speak(_call(request), speak_request)
     return web.json_response({"utterance_id": handle.utterance_id}, status=202)
 
 
-def _parse_speak(fields: dict[str, Any], registry: CallRegistry, streamed: bool = False) -> SpeakRequest:
+def _parse_speak(fields: dict[str, Any], request: web.Request, streamed: bool = False) -> SpeakRequest:
+    """`SpeakRequest.parse` against this engine and the voices the caller may use (another token's
+    registered voice is as unknown as a missing one)."""
+    registry = _registry(request)
+    rules = speak_rules(registry.engine, registry.config.limits, registry.voices_for(principal(request)))
     try:
-        rules = speak_rules(registry.engine, registry.config.limits)
         return SpeakRequest.parse(fields, rules, streamed=streamed)
     except (SpeakRequestError, BadTextError) as exc:
         raise ApiError(exc.status, exc.code, str(exc)) from None
@@ -270,7 +273,7 @@ async def _speak_stream(request: web.Request, fields: dict[str, Any]) -> web.Res
             fields["speed"] = float(request.query["speed"])
         except ValueError:
             raise ApiError(400, "bad_request", "?speed= must be a number") from None
-    speak_request = _parse_speak(fields, _registry(request), streamed=True)
+    speak_request = _parse_speak(fields, request, streamed=True)
     call = _call(request)
     limits = call.config.limits
     handle = _speak(call, speak_request, _ndjson_deltas(request, limits.max_text_chars))

@@ -13,13 +13,17 @@ from typing import Any
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from signaling.auth import principal
 from signaling.errors import ApiError
-from signaling.voice_admin import NotSupportedError, VoiceAdmin
+from signaling.voice_admin import NotSupportedError, VoiceAdmin, VoiceInfo
+from signaling.voice_owners import VoiceOwners
 from voicertc.audio.decode import AudioError
 from voicertc.errors import InputError, UnknownVoiceError
 from voicertc.validate import BadJsonError, BadTextError, check_text, parse_json
+from voicertc.voice_ids import same_file_name
 
 VOICES = web.AppKey("voices", VoiceAdmin)
+VOICE_OWNERS = web.AppKey("voice_owners", VoiceOwners)
 FIELD_MAX_CHARS = 64 * 1024  # transcript / id / name form fields
 BASE64_SLACK_BYTES = 64 * 1024
 
@@ -28,6 +32,26 @@ voice_routes = web.RouteTableDef()
 
 def _admin(request: web.Request) -> VoiceAdmin:
     return request.app[VOICES]
+
+
+def _owners(request: web.Request) -> VoiceOwners:
+    return request.app[VOICE_OWNERS]
+
+
+def _unknown(voice_id: str) -> ApiError:
+    return ApiError(404, "unknown_voice", f"unknown voice {voice_id!r}")
+
+
+async def _visible_voices(request: web.Request) -> list[VoiceInfo]:
+    voices = await _admin(request).list()
+    owners = _owners(request)
+    owners.keep_only({str(v["id"]) for v in voices})
+    caller = principal(request)
+    return [v for v in voices if owners.may_use(str(v["id"]), caller)]
+
+
+async def _registered_count(request: web.Request) -> int:
+    return sum(1 for v in await _admin(request).list() if v.get("deletable"))
 
 
 def _too_large(limit: int) -> ApiError:
@@ -111,6 +135,15 @@ def _optional_str(fields: dict[str, Any], key: str) -> str | None:
 
 @voice_routes.post("/v1/voices")
 async def register_voice(request: web.Request) -> web.Response:
+    caller = principal(request)
+    owners = _owners(request)
+    with owners.registering(caller, await _registered_count(request)):  # 429 before the body is read
+        info = await _register(request)
+        owners.record(str(info["id"]), caller)
+    return web.json_response(info, status=201, headers={"Location": f"/v1/voices/{info['id']}"})
+
+
+async def _register(request: web.Request) -> VoiceInfo:
     admin = _admin(request)
     limit = admin.limits.max_bytes
     if request.content_type == "multipart/form-data":
@@ -132,11 +165,18 @@ async def register_voice(request: web.Request) -> web.Response:
     audio = fields.get("audio")
     if not isinstance(audio, bytes) or not audio:
         raise ApiError(400, "audio_missing", 'the "audio" field (the clip file) is missing or empty')
+    voice_id = _optional_str(fields, "id")
+    if voice_id is not None:
+        for known in await admin.list():
+            if same_file_name(voice_id, str(known["id"])):
+                raise ApiError(
+                    409, "voice_exists", f"voice {voice_id!r} differs from an existing voice only in case"
+                )
     try:
         info = await admin.register(
             audio,
             _optional_str(fields, "transcript"),
-            voice_id=_optional_str(fields, "id"),
+            voice_id=voice_id,
             name=_optional_str(fields, "name"),
         )
     except AudioError as exc:
@@ -146,25 +186,35 @@ async def register_voice(request: web.Request) -> web.Response:
     except InputError as exc:
         status = 409 if exc.code == "voice_exists" else 400
         raise ApiError(status, exc.code, str(exc)) from exc
-    return web.json_response(info, status=201, headers={"Location": f"/v1/voices/{info['id']}"})
+    return info
 
 
 @voice_routes.get("/v1/voices")
 async def list_voices(request: web.Request) -> web.Response:
-    return web.json_response({"voices": await _admin(request).list()})
+    return web.json_response({"voices": await _visible_voices(request)})
 
 
 @voice_routes.get("/v1/voices/{voice_id}")
 async def get_voice(request: web.Request) -> web.Response:
-    try:
-        return web.json_response(await _admin(request).get(request.match_info["voice_id"]))
-    except UnknownVoiceError as exc:
-        raise ApiError(404, exc.code, str(exc)) from exc
+    voice_id = request.match_info["voice_id"]
+    for info in await _visible_voices(request):
+        if info["id"] == voice_id:
+            return web.json_response(info)
+    raise _unknown(voice_id)
 
 
 @voice_routes.delete("/v1/voices/{voice_id}")
 async def delete_voice(request: web.Request) -> web.Response:
     voice_id = request.match_info["voice_id"]
+    caller, owners = principal(request), _owners(request)
+    if not owners.may_use(voice_id, caller):
+        raise _unknown(voice_id)  # another token's voice: as unknown as a missing one
+    if not owners.may_delete(voice_id, caller):  # a shared voice, a token that is not an admin's
+        info = next((v for v in await _admin(request).list() if v["id"] == voice_id), None)
+        if info is None:
+            raise _unknown(voice_id)
+        if info.get("deletable"):  # built-in voices: the engine's own answer below
+            raise ApiError(403, "forbidden", f"voice {voice_id!r} has no owner: only an admin deletes it")
     try:
         await _admin(request).delete(voice_id)
     except UnknownVoiceError as exc:
@@ -173,4 +223,5 @@ async def delete_voice(request: web.Request) -> web.Response:
         raise ApiError(400, exc.code, str(exc)) from exc
     except InputError as exc:  # a spk2info voice
         raise ApiError(409, exc.code, str(exc)) from exc
+    owners.forget(voice_id)
     return web.json_response({"id": voice_id, "deleted": True})

@@ -24,9 +24,11 @@ class ServerConfig:
     public_url: str = ""
     cors_origins: tuple[str, ...] = ()
     drain_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
 
     def validate(self) -> None:
         _check(0 <= self.port <= 65535, "server.port", "must be 0..65535")
+        _check(0 < self.body_timeout_s <= 600, "server.body_timeout_s", "must be > 0 and <= 600")
         ok_url = not self.public_url or self.public_url.startswith(("http://", "https://"))
         _check(ok_url, "server.public_url", "must be empty or an http(s):// URL")
         _check(
@@ -215,9 +217,15 @@ class LimitsConfig:
     voice_max_bytes: int = 10 * 1024 * 1024
     max_utterance_s: float = 120.0
     max_speech_tokens_per_segment: int = 2000  # CosyVoice: the LLM stops here (80 s of speech at 25 Hz)
+    max_voices: int = 64
+    max_voices_per_token: int = 8
+    max_pending_total: int = 8
 
     def validate(self) -> None:
         _check(self.max_text_chars >= 1, "limits.max_text_chars", "must be >= 1")
+        _check(0 <= self.max_voices <= 100_000, "limits.max_voices", "must be 0..100000")
+        _check(0 <= self.max_voices_per_token <= 100_000, "limits.max_voices_per_token", "must be 0..100000")
+        _check(self.max_pending_total >= 1, "limits.max_pending_total", "must be >= 1")
         _check(self.max_calls >= 1, "limits.max_calls", "must be >= 1")
         _check(self.max_pending_calls >= 1, "limits.max_pending_calls", "must be >= 1")
         _check(self.max_utterances >= 1, "limits.max_utterances", "must be >= 1")
@@ -297,6 +305,8 @@ class ListenConfig:
     backchannels: tuple[str, ...] = DEFAULT_BACKCHANNELS
     transcribe: bool = True
     whisper_threads: int = 1
+    whisper_workers: int = 0
+    transcript_queue: int = 8
     partial_every_ms: int = 400
     max_segment_s: float = 30.0
     inbound_buffer_ms: int = 2000
@@ -321,6 +331,8 @@ class ListenConfig:
             '"words" needs listen.transcribe = true (the words come from the transcript)',
         )
         _check(1 <= self.whisper_threads <= 16, "listen.whisper_threads", "must be 1..16")
+        _check(0 <= self.whisper_workers <= 16, "listen.whisper_workers", "must be 0 (auto) ..16")
+        _check(1 <= self.transcript_queue <= 1000, "listen.transcript_queue", "must be 1..1000")
         _check(100 <= self.partial_every_ms <= 5000, "listen.partial_every_ms", "must be 100..5000")
         _check(1 <= self.max_segment_s <= 120, "listen.max_segment_s", "must be 1..120")
         _check(1 <= self.mic_jitter_frames <= 8, "listen.mic_jitter_frames", "must be 1..8")

@@ -296,7 +296,7 @@ function onEvent(ev) {
   if (ev.type === "user.speech.stopped") setUserState("silent");
   if (ev.type === "user.transcript") {
     const li = document.createElement("li");
-    li.textContent = ev.text;
+    li.textContent = ev.dropped ? "(not transcribed: too many callers at once)" : ev.text;
     $("transcripts").appendChild(li);
   }
   log(`${ev.type} ${JSON.stringify(ev)}`);

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -19,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 SILENCE_DBFS = -50.0  # a clip whose loudest 50 ms window is quieter than this is "silent"
 WINDOW_S = 0.05
+PROBE_SLACK_S = 0.5  # container durations round up (a last partial frame, priming samples)
 
 
 class AudioError(InputError):
@@ -49,8 +51,13 @@ class Clip:
         return len(self.samples) / self.sample_rate_hz if self.sample_rate_hz else 0.0
 
 
-def decode_audio(data: bytes) -> Clip:
-    """Decode the first audio stream of `data` (any container PyAV/FFmpeg reads) to mono float32."""
+def decode_audio(data: bytes, max_s: float | None = None) -> Clip:
+    """Decode the first audio stream of `data` (any container PyAV/FFmpeg reads) to mono float32.
+
+    With `max_s`, a file is refused `audio_too_long` before it is decoded when its container says it
+    is longer (the probe), and while it is decoded the moment its samples pass `max_s` (the container
+    may lie or not know): a small file of hours of silence costs at most `max_s` of samples.
+    """
     import av
 
     if not data:
@@ -62,9 +69,15 @@ def decode_audio(data: bytes) -> Clip:
             if not container.streams.audio:
                 raise AudioError("audio_undecodable", "the file has no audio stream")
             stream = container.streams.audio[0]
+            if max_s is not None:
+                _refuse_if_longer(probe_seconds(container, stream), max_s, "the file says it is")
             resampler = av.AudioResampler(format="flt", layout="mono")
+            decoded = 0  # input samples, at the stream's rate
             for frame in container.decode(stream):
                 rate_hz = rate_hz or int(frame.sample_rate)
+                decoded += int(frame.samples)
+                if max_s is not None and rate_hz:
+                    _refuse_if_longer(decoded / rate_hz, max_s, "decoding passed")
                 for out in resampler.resample(frame):
                     pieces.append(out.to_ndarray().reshape(-1))
             for out in resampler.resample(None):
@@ -79,6 +92,23 @@ def decode_audio(data: bytes) -> Clip:
     if not rate_hz or not samples.size:
         raise AudioError("audio_undecodable", "the file holds no audio samples")
     return Clip(np.clip(samples, -1.0, 1.0), rate_hz)
+
+
+def probe_seconds(container: Any, stream: Any) -> float:
+    """The longest duration the container or the stream header states, without decoding (0 = unknown)."""
+    known = [0.0]
+    if container.duration:  # in AV_TIME_BASE units (microseconds)
+        known.append(float(container.duration) / 1_000_000)
+    if stream.duration and stream.time_base:
+        known.append(float(stream.duration * stream.time_base))
+    return max(known)
+
+
+def _refuse_if_longer(seconds: float, max_s: float, how: str) -> None:
+    if seconds > max_s + PROBE_SLACK_S:
+        raise AudioError(
+            "audio_too_long", f"{how} {seconds:.1f} s of audio; the limit is {max_s:g} s (limits.voice_max_s)"
+        )
 
 
 def peak_dbfs(clip: Clip) -> float:
@@ -117,4 +147,4 @@ def load_clip(data: bytes, limits: ClipLimits) -> Clip:
         raise AudioError(
             "audio_too_large", f"the file is {len(data)} bytes; the limit is {limits.max_bytes}", status=413
         )
-    return check_clip(decode_audio(data), limits)
+    return check_clip(decode_audio(data, limits.max_s), limits)

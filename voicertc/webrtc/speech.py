@@ -35,10 +35,12 @@ ClientEvent = dict[str, Any]
 EmitFn = Callable[[ClientEvent], None]
 
 
-def speak_rules(engine: Engine, limits: LimitsConfig) -> SpeakRules:
-    """What `SpeakRequest.parse` checks a request against on this engine (its voices and options)."""
+def speak_rules(engine: Engine, limits: LimitsConfig, voices: list[str] | None = None) -> SpeakRules:
+    """What `SpeakRequest.parse` checks a request against on this engine: its options, and the voices
+    the caller may use (`voices`; default: every voice of the engine)."""
     features = [f for f in ("instruct", "speed") if engine.supports(f)]
-    return SpeakRules(max_text_chars=limits.max_text_chars, voices=engine.voices(), features=features)
+    voices = engine.voices() if voices is None else voices
+    return SpeakRules(max_text_chars=limits.max_text_chars, voices=voices, features=features)
 
 
 class QueueFullError(VoiceRTCError):

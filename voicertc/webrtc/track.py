@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 SAMPLE_RATE_HZ = 48000
 TIME_BASE = Fraction(1, SAMPLE_RATE_HZ)
+GAP_S = 0.1  # a pause between frames longer than this counts in `gaps_over_100ms`
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,15 @@ class InterruptResult:
 
 @dataclass
 class TrackStats:
+    """Playout as the peer gets it. Honest whatever the cause (engine, event loop, CPU): a frame due
+    while an utterance played and never sent (skipped when the schedule re-anchored) is an underrun
+    frame like a silence frame; a frame sent more than one frame after its due time is late; a pause
+    of over 100 ms between two frames is a gap (the peer's jitter buffer hears it)."""
+
     frames_sent: int = 0
-    underrun_frames: int = 0  # silence frames sent while an utterance was mid-playback
+    underrun_frames: int = 0  # silence frames sent, or due frames skipped, while an utterance played
+    late_frames: int = 0  # frames sent more than one frame after their due time
+    gaps_over_100ms: int = 0  # pauses of more than 100 ms between two consecutive frames
     interrupts: int = 0
     reanchors: int = 0  # times the schedule fell more than max_lag_ms behind and was restarted
 
@@ -110,6 +118,7 @@ class SpeechTrack(MediaStreamTrack):
         self._samples_sent = 0  # the next frame's pts
         self._anchor_t: float | None = None
         self._anchor_frame = 0
+        self._last_frame_t: float | None = None
         self._fade_tail = np.zeros(0, dtype=np.int16)
         self._playing: str | None = None
         self._playback: dict[str, _Playback] = {}
@@ -158,12 +167,27 @@ class SpeechTrack(MediaStreamTrack):
         if self._anchor_t is None:
             self._anchor_t, self._anchor_frame = now, self.stats.frames_sent
         deadline = self._anchor_t + (self.stats.frames_sent - self._anchor_frame) * self._frame_s
-        if now - deadline > self._max_lag_s:
-            logger.info("track %s: %.0f ms behind schedule, re-anchoring", self.id, (now - deadline) * 1000)
+        lag_s = now - deadline
+        if lag_s > self._max_lag_s:
+            logger.info("track %s: %.0f ms behind schedule, re-anchoring", self.id, lag_s * 1000)
             self._anchor_t, self._anchor_frame = now, self.stats.frames_sent
             self.stats.reanchors += 1
+            self._count_skipped(int(lag_s / self._frame_s))
         elif deadline > now:
             await self._sleep(deadline - now)
+            now = self._clock()  # the loop may wake us late
+            lag_s = now - deadline
+        if lag_s > self._frame_s:
+            self.stats.late_frames += 1
+        if self._last_frame_t is not None and now - self._last_frame_t > GAP_S:
+            self.stats.gaps_over_100ms += 1
+        self._last_frame_t = now
+
+    def _count_skipped(self, frames: int) -> None:
+        """Frames the re-anchor will never send: underruns when an utterance was playing."""
+        if self._playing is not None and frames > 0:
+            self.stats.underrun_frames += frames
+            self._playback[self._playing].underrun_frames += frames
 
     def _build_frame(self, pcm: np.ndarray) -> AudioFrame:
         # pcm: [frame_samples] int16 mono -> packed s16 frame [1, frame_samples * channels]

@@ -41,7 +41,7 @@ from voicertc.backends.cosyvoice.voice.features import (
 )
 from voicertc.backends.cosyvoice.voice.text import text_normalize
 from voicertc.errors import InputError, UnknownVoiceError
-from voicertc.voice_ids import VOICE_ID, check_voice_id
+from voicertc.voice_ids import VOICE_ID, check_voice_id, voice_id_of, voice_path
 
 if TYPE_CHECKING:
     from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model
@@ -294,13 +294,11 @@ class VoiceStore:
     def ids(self) -> list[str]:
         if not self.directory.is_dir():
             return []
-        return sorted(
-            p.stem for p in self.directory.glob("*.json") if p.with_suffix(".safetensors").is_file()
-        )
+        ids = (voice_id_of(p, ".json") for p in self.directory.glob("*.json"))
+        return sorted(v for v in ids if v and voice_path(self.directory, v, ".safetensors").is_file())
 
     def save(self, voice: Voice) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        base = self.directory / voice.voice_id
         tensors = {
             "flow_prompt_tokens": voice.flow_prompt_tokens.to(torch.int32).contiguous(),
             "prompt_feat": voice.prompt_feat.contiguous(),
@@ -312,13 +310,14 @@ class VoiceStore:
             "format": FORMAT_VERSION, "voice_id": voice.voice_id, "prompt_text": voice.prompt_text,
             "name": voice.name, "kind": voice.kind, "created_s": voice.created_s,
         }  # fmt: skip
-        _atomic(base.with_suffix(".safetensors"), lambda p: save_file(tensors, str(p)))
-        _atomic(base.with_suffix(".json"), lambda p: p.write_text(json.dumps(meta, ensure_ascii=False)))
+        meta_json = json.dumps(meta, ensure_ascii=False)
+        tensors_path = voice_path(self.directory, voice.voice_id, ".safetensors")
+        _atomic(tensors_path, lambda p: save_file(tensors, str(p)))
+        _atomic(voice_path(self.directory, voice.voice_id, ".json"), lambda p: p.write_text(meta_json))
 
     def load(self, model: CosyVoice2Model, voice_id: str) -> Voice:
-        base = self.directory / check_voice_id(voice_id)
-        meta = json.loads(base.with_suffix(".json").read_text(encoding="utf-8"))
-        t = load_file(str(base.with_suffix(".safetensors")))
+        meta = json.loads(voice_path(self.directory, voice_id, ".json").read_text(encoding="utf-8"))
+        t = load_file(str(voice_path(self.directory, voice_id, ".safetensors")))
         text_ids = t["prompt_text_tokens"][0].tolist()
         voice = voice_from_features(
             model, t["flow_prompt_tokens"], t["prompt_feat"], t["embedding"],
@@ -329,9 +328,8 @@ class VoiceStore:
         return voice
 
     def delete(self, voice_id: str) -> None:
-        base = self.directory / check_voice_id(voice_id)
-        base.with_suffix(".json").unlink(missing_ok=True)  # uncommit first
-        base.with_suffix(".safetensors").unlink(missing_ok=True)
+        voice_path(self.directory, voice_id, ".json").unlink(missing_ok=True)  # uncommit first
+        voice_path(self.directory, voice_id, ".safetensors").unlink(missing_ok=True)
 
 
 def _atomic(path: Path, write) -> None:  # noqa: ANN001 - a one-argument writer

@@ -22,6 +22,7 @@ RANK = {
     "voicertc.config": 1,
     "voicertc.validate": 1,
     "voicertc.voice_ids": 1,
+    "voicertc.turn": 1,
     "voicertc.audio": 2,
     "voicertc.engine": 3,
     "voicertc.listen": 3,

@@ -13,8 +13,8 @@ from listen_helpers import caller_clip, wer
 from voicertc.config import ListenConfig, config_from_dict
 from voicertc.errors import ConfigError
 from voicertc.listen.listener import CallListener
-from voicertc.listen.models import whisper_model
-from voicertc.listen.transcriber import Transcriber, TranscriptJob, auto_workers
+from voicertc.listen.models import auto_workers, whisper_model
+from voicertc.listen.transcriber import Transcriber, TranscriptJob
 
 SENTENCE = "Please call me back tomorrow morning."
 

@@ -15,7 +15,6 @@ from voicertc.errors import NotSupportedError, UnknownVoiceError
 
 if TYPE_CHECKING:
     from voicertc.audio.decode import Clip
-    from voicertc.engine.backend import AnyBackend
 
 VoiceInfo = dict[str, Any]
 
@@ -32,6 +31,15 @@ class BackendVoiceBook(Protocol):
     def delete_voice(self, voice_id: str) -> None: ...
 
 
+class HasVoices(Protocol):
+    """What these commands need of a backend (every backend shape has it)."""
+
+    name: str
+    voice_book: BackendVoiceBook | None
+
+    def voices(self) -> list[str]: ...
+
+
 def builtin_info(voice_id: str) -> VoiceInfo:
     """The description of a voice that came with the engine (not deletable)."""
     return {
@@ -46,13 +54,13 @@ def builtin_info(voice_id: str) -> VoiceInfo:
     }
 
 
-def list_voices(backend: AnyBackend) -> list[VoiceInfo]:
+def list_voices(backend: HasVoices) -> list[VoiceInfo]:
     book = backend.voice_book
     return book.voice_infos() if book is not None else [builtin_info(v) for v in backend.voices()]
 
 
 def register_voice(
-    backend: AnyBackend, clip: Clip, transcript: str | None, voice_id: str | None, name: str
+    backend: HasVoices, clip: Clip, transcript: str | None, voice_id: str | None, name: str
 ) -> VoiceInfo:
     book = backend.voice_book
     if book is None:
@@ -60,7 +68,7 @@ def register_voice(
     return book.register_clip(clip, transcript, voice_id, name)
 
 
-def delete_voice(backend: AnyBackend, voice_id: str) -> None:
+def delete_voice(backend: HasVoices, voice_id: str) -> None:
     book = backend.voice_book
     if book is None:
         if voice_id in backend.voices():

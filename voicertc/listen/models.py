@@ -124,6 +124,16 @@ def _release() -> None:
         _vad_session = None
 
 
+MAX_AUTO_WORKERS = 4
+
+
+def auto_workers(configured: int) -> int:
+    """`[listen] whisper_workers`: as configured, or 0 = half the cores (1..MAX_AUTO_WORKERS)."""
+    if configured > 0:
+        return configured
+    return max(1, min(MAX_AUTO_WORKERS, (os.cpu_count() or 2) // 2))
+
+
 def load_listen_models(config: ListenConfig) -> None:
     """Load (once per process) and smoke-run what `[listen]` needs; ConfigError naming the package."""
     if not config.enabled:
@@ -134,6 +144,4 @@ def load_listen_models(config: ListenConfig) -> None:
     except Exception as exc:
         raise ConfigError(f"listen.enabled: the VAD model of {VAD_PACKAGE!r} does not run: {exc}") from exc
     if config.transcribe:
-        from voicertc.listen.transcriber import auto_workers
-
         whisper_model(config.whisper_threads, auto_workers(config.whisper_workers))

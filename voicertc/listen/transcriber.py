@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -27,10 +26,11 @@ from typing import Any
 
 import numpy as np
 
+from voicertc.listen.models import auto_workers, whisper_model
+
 logger = logging.getLogger(__name__)
 
 MAX_JOBS = 8
-MAX_AUTO_WORKERS = 4
 
 
 @dataclass
@@ -164,13 +164,6 @@ class Transcriber:
             thread.join(timeout=5.0)
 
 
-def auto_workers(configured: int) -> int:
-    """`[listen] whisper_workers`: as configured, or 0 = half the cores (1..MAX_AUTO_WORKERS)."""
-    if configured > 0:
-        return configured
-    return max(1, min(MAX_AUTO_WORKERS, (os.cpu_count() or 2) // 2))
-
-
 _shared: dict[tuple[int, int, int], Transcriber] = {}
 _shared_lock = threading.Lock()
 
@@ -186,8 +179,6 @@ def _stop_shared() -> None:
 
 def shared_transcriber(threads: int, workers: int = 1, max_jobs: int = MAX_JOBS) -> Transcriber:
     """The process's transcriber for these settings (the model is loaded by `models`)."""
-    from voicertc.listen.models import whisper_model
-
     workers = auto_workers(workers)
     with _shared_lock:
         key = (threads, workers, max_jobs)

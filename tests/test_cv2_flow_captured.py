@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from voicertc.backends.cosyvoice.flow.captured import Buckets, CapturedEstimator, StepShape, run_eagerly
+from voicertc.backends.cosyvoice.accel.captured import run_eagerly
+from voicertc.backends.cosyvoice.flow.captured import Buckets, CapturedEstimator, StepShape
 from voicertc.backends.cosyvoice.flow.flow import CausalFlow, FlowStreamState
 from voicertc.backends.cosyvoice.flow.graph import StreamingEstimator
 
@@ -110,7 +111,7 @@ def test_a_streamed_utterance_through_static_steps_equals_the_eager_one(flow, tt
     steps = runner.stats.replays + runner.stats.eager
     assert runner.stats.replays > 0 and capture.replays == runner.stats.replays
     assert capture.captured == len(runner.stats.by_shape) < steps  # a bucket is captured once, replayed often
-    assert all(shape.rows == 2 and shape.keys % 64 == 0 for shape in runner.stats.by_shape)
+    assert all(key[0] == 2 and key[7][3] % 64 == 0 for key in runner.stats.by_shape)  # rows; kv keys
 
 
 def test_pad_rows_and_utterances_at_different_positions_equal_eager(flow, tts_golden):
@@ -120,7 +121,7 @@ def test_pad_rows_and_utterances_at_different_positions_equal_eager(flow, tts_go
     got = _with_runner(flow, runner, lambda: _two_utterances(flow, tts_golden))
     for e, g in zip(eager, got, strict=True):
         assert (g - e).abs().max().item() <= TOL
-    assert any(shape.rows == 4 for shape in runner.stats.by_shape)  # the two-utterance batch
+    assert any(key[0] == 4 for key in runner.stats.by_shape)  # the two-utterance batch
 
 
 def test_three_utterances_run_in_a_four_utterance_bucket_with_pad_rows(flow, tts_golden):
@@ -136,7 +137,7 @@ def test_three_utterances_run_in_a_four_utterance_bucket_with_pad_rows(flow, tts
     eager = run()
     runner = CapturedEstimator(StreamingEstimator(flow.decoder.estimator), buckets=Buckets(max_rows=8))
     got = _with_runner(flow, runner, run)
-    assert {shape.rows for shape in runner.stats.by_shape} == {8}  # 6 rows padded to 8
+    assert {key[0] for key in runner.stats.by_shape} == {8}  # 6 rows padded to 8
     for e, g in zip(eager, got, strict=True):
         assert (g - e).abs().max().item() <= TOL
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,6 +204,7 @@ class HiFTGenerator(nn.Module):
         self.conv_post = nn.Conv1d(channels[-1], c.istft_n_fft + 2, 7, padding=3)
         window = torch.hann_window(c.istft_n_fft, periodic=True, dtype=torch.float64).float()
         self.register_buffer("stft_window", window, persistent=False)
+        self.decode_runner: Callable[[Tensor, Tensor], Tensor] | None = None  # `[engine] cuda_graphs`
 
     def _build_source_fusion(self, stage_channels: list[int]) -> None:
         """Per upsampling stage: a strided conv bringing the excitation STFT (hop istft_hop) to the
@@ -268,7 +270,13 @@ class HiFTGenerator(nn.Module):
             return self.decode(mel, source), source
 
     def decode(self, mel: Tensor, source: Tensor) -> Tensor:
+        """The generator network: through `decode_runner` (captured static steps) when one is set."""
         # mel: [B, 80, T], source: [B, 1, T * 480] -> wav: [B, T * 480]
+        if self.decode_runner is not None:
+            return self.decode_runner(mel, source)
+        return self.decode_eager(mel, source)
+
+    def decode_eager(self, mel: Tensor, source: Tensor) -> Tensor:
         c = self.config
         source_stft = self._stft(source.squeeze(1))
         x = self.conv_pre(mel)

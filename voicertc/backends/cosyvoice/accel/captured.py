@@ -1,0 +1,165 @@
+"""Captured static-shape steps: one mechanism for every stage that `[engine] cuda_graphs` captures.
+
+Runs on the engine thread. On a GPU the flow estimator and HiFT are launch-bound (thousands of small
+kernels a step, each microseconds of work), so each is captured once per padded shape as a CUDA graph
+and replayed. `StaticSteps` wraps a step `fn(*tensors) -> tuple[Tensor, ...]` whose rows are
+independent: a call's inputs are copied into the static buffers of its bucket (rows padded with zeros
+up to the bucket's row count; every other dimension exact), the bucket's replay runs, and each output is
+cut back to the call's rows. A bucket is made on first use (`capture`), within a memory budget shared
+by every captured stage (`GraphBudget`, `[engine] graph_memory_mb`); a call that fits no bucket, or whose
+bucket would pass the budget, is refused (`run` returns None) and the caller runs it eagerly, counted.
+
+`capture` turns a step on static buffers into its replay: `cuda_capture` on CUDA; `run_eagerly` (the
+same static step, not captured) on CPU, where the tests prove static == eager.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+Outputs = tuple[Tensor, ...]
+Step = Callable[[], Outputs]
+Capture = Callable[[Step], Step]
+
+
+def run_eagerly(step: Step) -> Step:
+    """The "capture" of a device without graphs: the static step itself, run each time."""
+    return step
+
+
+def cuda_capture(step: Step) -> Step:
+    """Capture `step` (which reads and writes only static buffers) as a CUDA graph; the replay returns
+    the captured outputs (static tensors, overwritten by the next replay)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm-up: lazy inits and allocator growth happen outside the capture
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+
+    def replay() -> Outputs:
+        graph.replay()
+        return outputs
+
+    return replay
+
+
+def row_bucket(rows: int, max_rows: int, smallest: int = 1) -> int | None:
+    """The padded row count of a call: the next power of two >= rows (from `smallest`), capped at
+    `max_rows`; None past it."""
+    if rows > max_rows:
+        return None
+    padded = smallest
+    while padded < rows:
+        padded *= 2
+    return min(padded, max_rows)
+
+
+@dataclass
+class GraphBudget:
+    """Bytes the captured buckets of every stage may hold together (static buffers + graph pools)."""
+
+    limit_bytes: int
+    used_bytes: int = 0
+
+    def take(self, size: int) -> bool:
+        if self.used_bytes + size > self.limit_bytes:
+            return False
+        self.used_bytes += size
+        return True
+
+
+@dataclass
+class StageStats:
+    """What one captured stage did (for /metrics and the start-up log)."""
+
+    replays: int = 0
+    eager: int = 0  # calls outside every bucket (or past the budget): run with their exact shapes
+    captures: int = 0
+    capture_s: float = 0.0
+    bytes: int = 0
+    by_shape: dict[Hashable, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Bucket:
+    inputs: list[Tensor]
+    replay: Step
+
+
+class StaticSteps:
+    """Static-shape replays of one stage's step, one bucket per padded shape (engine thread)."""
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[..., Outputs],
+        in_row_dims: Sequence[int],
+        out_row_dims: Sequence[int],
+        *,
+        capture: Capture = run_eagerly,
+        budget: GraphBudget | None = None,
+        pool_factor: float = 2.0,
+    ) -> None:
+        self.name = name
+        self.fn = fn
+        self.in_row_dims = tuple(in_row_dims)
+        self.out_row_dims = tuple(out_row_dims)
+        self.capture = capture
+        self.budget = budget or GraphBudget(limit_bytes=2**31)
+        self.pool_factor = pool_factor  # the graph's private pool: about its static inputs' size again
+        self.stats = StageStats()
+        self._buckets: dict[Hashable, _Bucket] = {}
+
+    def run(self, padded_rows: int, inputs: Sequence[Tensor]) -> Outputs | None:
+        """The step's outputs for `inputs` (their real rows), or None: not captured (run it eagerly)."""
+        rows = inputs[0].shape[self.in_row_dims[0]]
+        key = (padded_rows, *(_shape_without(x, d) for x, d in zip(inputs, self.in_row_dims, strict=True)))
+        bucket = self._buckets.get(key) or self._make(key, padded_rows, inputs)
+        if bucket is None:
+            self.stats.eager += 1
+            return None
+        for static, value, dim in zip(bucket.inputs, inputs, self.in_row_dims, strict=True):
+            static.narrow(dim, 0, rows).copy_(value)
+            if rows < padded_rows:
+                static.narrow(dim, rows, padded_rows - rows).zero_()
+        outputs = bucket.replay()
+        self.stats.replays += 1
+        self.stats.by_shape[key] = self.stats.by_shape.get(key, 0) + 1
+        return tuple(
+            out.narrow(dim, 0, rows).clone() for out, dim in zip(outputs, self.out_row_dims, strict=True)
+        )
+
+    def _make(self, key: Hashable, padded_rows: int, like: Sequence[Tensor]) -> _Bucket | None:
+        static = []
+        for value, dim in zip(like, self.in_row_dims, strict=True):
+            shape = list(value.shape)
+            shape[dim] = padded_rows
+            static.append(value.new_zeros(shape))
+        size = int(self.pool_factor * sum(t.numel() * t.element_size() for t in static))
+        if not self.budget.take(size):
+            return None
+        started = time.perf_counter()
+        replay = self.capture(lambda: self.fn(*static))
+        seconds = time.perf_counter() - started
+        self.stats.captures += 1
+        self.stats.capture_s += seconds
+        self.stats.bytes += size
+        self._buckets[key] = bucket = _Bucket(static, replay)
+        logger.info("%s captured for %s (%.1f MB, %.0f ms)", self.name, key, size / 2**20, 1000 * seconds)
+        return bucket
+
+
+def _shape_without(x: Tensor, dim: int) -> tuple[int, ...]:
+    return tuple(n for i, n in enumerate(x.shape) if i != dim)

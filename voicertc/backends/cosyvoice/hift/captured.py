@@ -1,0 +1,59 @@
+"""HiFT's generator network as captured static-shape steps: one replay per (rows, mel frames) bucket.
+
+Runs on the engine thread. `HiFTGenerator.decode(mel, source)` (mel + excitation -> waveform) is the
+launch-bound part of a vocoder chunk; its rows are independent (per-row convolutions, STFT and ISTFT),
+so rows are padded with zeros up to a power-of-two bucket exactly, and the frames (cache + new, equal in
+a batch already) are a bucket's own. The excitation (f0 -> phase -> sine/noise) stays eager: each
+utterance draws it from its own generator, so it stays reproducible per utterance. A call past
+`max_rows` or the memory budget runs eagerly, counted.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from voicertc.backends.cosyvoice.accel.captured import (
+    Capture,
+    GraphBudget,
+    StageStats,
+    StaticSteps,
+    row_bucket,
+    run_eagerly,
+)
+from voicertc.backends.cosyvoice.hift.generator import HiFTGenerator
+
+
+class CapturedHiftDecode:
+    """`HiFTGenerator.decode_runner`: the generator network replayed per (rows, frames) bucket."""
+
+    def __init__(
+        self,
+        hift: HiFTGenerator,
+        *,
+        max_rows: int = 32,
+        capture: Capture = run_eagerly,
+        budget: GraphBudget | None = None,
+    ) -> None:
+        self.hift = hift
+        self.max_rows = max_rows
+        self.steps = StaticSteps(
+            "hift decode", lambda mel, source: (hift.decode_eager(mel, source),), (0, 0), (0,),
+            capture=capture, budget=budget,
+        )  # fmt: skip
+
+    @property
+    def stats(self) -> StageStats:
+        return self.steps.stats
+
+    @torch.inference_mode()
+    def __call__(self, mel: Tensor, source: Tensor) -> Tensor:
+        # mel: [B, 80, T], source: [B, 1, T * 480] -> wav: [B, T * 480]
+        padded = row_bucket(mel.shape[0], self.max_rows)
+        if padded is not None:
+            outputs = self.steps.run(padded, [mel, source])
+            if outputs is not None:
+                return outputs[0]
+        else:
+            self.steps.stats.eager += 1
+        return self.hift.decode_eager(mel, source)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from signaling.openapi_speech import speech_paths, speech_schemas
 from signaling.openapi_voices import voice_paths, voice_schemas
 from voicertc.config import Config
 from voicertc.validate import UNSPEAKABLE_RANGES
@@ -412,7 +413,12 @@ def openapi_spec(config: Config) -> dict[str, Any]:
             "description": "Real-time WebRTC text-to-speech calls. With `[auth] tokens` set, every /v1 "
             "request needs `Authorization: Bearer <token>` (401 without, 403 wrong).",
         },
-        "paths": _secured({**_paths(config), **voice_paths(config)}, config),
-        "components": {"schemas": {**_schemas(config), **voice_schemas()}, "securitySchemes": bearer},
+        "paths": _secured(
+            {**_paths(config), **voice_paths(config), **speech_paths(config, TEXT_PATTERN)}, config
+        ),
+        "components": {
+            "schemas": {**_schemas(config), **voice_schemas(), **speech_schemas(config, TEXT_PATTERN)},
+            "securitySchemes": bearer,
+        },
         "security": [{"bearer": []}] if config.auth.enabled else [],
     }

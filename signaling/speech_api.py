@@ -76,10 +76,12 @@ def map_voice(engine: Engine, voice: object, what: str = '"voice"') -> str | Non
     An object `{"id": ...}` (OpenAI's custom voices) names the id. UnknownVoiceError for others."""
     if isinstance(voice, dict):
         voice = voice.get("id")
-    if voice is None or voice == "":
+        if not isinstance(voice, str):
+            raise _ParamError("voice", f'{what} as an object needs "id": a voice id')
+    if voice is None:
         return None
-    if not isinstance(voice, str):
-        raise _ParamError("voice", f"{what} must be a string (a voice id)")
+    if not isinstance(voice, str) or not voice:
+        raise _ParamError("voice", f"{what} must be a non-empty string (a voice id) or null")
     if voice in OPENAI_VOICES and voice not in engine.voices():
         return None
     resolve = getattr(engine, "resolve_voice", None)
@@ -122,15 +124,15 @@ def parse_speech_request(body: object, engine: Engine, max_chars: int) -> Speech
     text = checked_text(body.get("input"), max_chars)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise _ParamError("model", '"model" must be a string (any: this server has one engine)')
-    response_format = body.get("response_format") or "mp3"
-    if response_format not in FORMATS:
+        raise _ParamError("model", '"model" must be a string (any: this server has one engine) or null')
+    response_format = body.get("response_format", "mp3")
+    if not isinstance(response_format, str) or response_format not in FORMATS:
         raise _ParamError(
             "response_format",
             f'"response_format" must be one of {", ".join(FORMATS)}; got {response_format!r}',
         )
-    stream_format = body.get("stream_format") or "audio"
-    if stream_format not in STREAM_FORMATS:
+    stream_format = body.get("stream_format", "audio")
+    if not isinstance(stream_format, str) or stream_format not in STREAM_FORMATS:
         raise _ParamError("stream_format", f'"stream_format" must be "audio" or "sse"; got {stream_format!r}')
     options = checked_options(engine, body.get("instructions"), body.get("speed"), "instructions")
     voice = map_voice(engine, body.get("voice"))

@@ -46,14 +46,18 @@ async def wait_closed_utterances(engine, timeout_s: float = 3.0) -> None:
 async def test_every_response_format_decodes_to_the_spoken_length():
     async with api() as client:
         oa = sdk(client)
-        pcm = (await oa.audio.speech.create(model="tts-1", input=TEXT, voice="tone", response_format="pcm")).content
+        pcm = (
+            await oa.audio.speech.create(model="tts-1", input=TEXT, voice="tone", response_format="pcm")
+        ).content
         pcm_s = len(pcm) / 2 / 24_000
         expected_s = MS_PER_CHAR * len(TEXT) / 1000  # the fake engine speaks 65 ms per character
         assert abs(pcm_s - expected_s) < 0.15 * expected_s, (pcm_s, expected_s)
         tone = np.frombuffer(pcm, "<i2")
         assert np.abs(tone).max() > 5000  # a tone, not silence
         for fmt in ("wav", "opus", "mp3", "flac", "aac"):
-            data = (await oa.audio.speech.create(model="any", input=TEXT, voice="tone", response_format=fmt)).content
+            data = (
+                await oa.audio.speech.create(model="any", input=TEXT, voice="tone", response_format=fmt)
+            ).content
             seconds, rate = decoded_seconds(data)
             assert abs(seconds - pcm_s) < 0.08, (fmt, seconds, pcm_s)
             assert rate in (24_000, 48_000), (fmt, rate)  # Ogg Opus decodes at 48 kHz
@@ -104,8 +108,8 @@ async def test_refusals_are_the_sdk_error_types_with_our_codes():
             ({"input": "  ", "voice": "tone"}, openai.BadRequestError, "bad_input", "input"),
             ({"input": "x" * 51, "voice": "tone"}, openai.APIStatusError, "text_too_long", "input"),
             ({"input": "bad \x00 text", "voice": "tone"}, openai.BadRequestError, "bad_text", "input"),
-            ({"input": TEXT, "voice": "tone", "response_format": "ogg"}, openai.BadRequestError, "bad_request",
-             "response_format"),
+            ({"input": TEXT, "voice": "tone", "response_format": "ogg"}, openai.BadRequestError,
+             "bad_request", "response_format"),
             ({"input": TEXT, "voice": "tone", "instructions": "Cheerfully."}, openai.BadRequestError,
              "not_supported", "instructions"),
             ({"input": TEXT, "voice": "tone", "speed": 1.5}, openai.BadRequestError, "speed_not_supported",
@@ -120,7 +124,9 @@ async def test_refusals_are_the_sdk_error_types_with_our_codes():
         assert caught.type is openai.BadRequestError
         too_long = await client.post("/v1/audio/speech", json={"input": "x" * 51, "voice": "tone"})
         assert too_long.status == 413
-        bad_json = await client.post("/v1/audio/speech", data=b"{nope", headers={"Content-Type": "application/json"})
+        bad_json = await client.post(
+            "/v1/audio/speech", data=b"{nope", headers={"Content-Type": "application/json"}
+        )
         assert bad_json.status == 400 and (await bad_json.json())["error"]["code"] == "bad_json"
         assert engine.open_count == 0 and engine.stats["utterances"] == 0  # nothing was queued
         await oa.close()

@@ -125,7 +125,9 @@ async def test_bad_messages_get_errors_and_the_session_survives():
         events, _ = await until_done(ws)
         assert events[-1]["type"] == "error" and events[-1]["code"] == "text_too_long"
         # still alive: settings apply, text speaks (16 kHz, base64 JSON audio)
-        await ws.send_json({"type": "session.update", "sample_rate": 16000, "binary": False, "voice": "alloy"})
+        await ws.send_json(
+            {"type": "session.update", "sample_rate": 16000, "binary": False, "voice": "alloy"}
+        )
         updated = await next_json(ws)
         assert updated["type"] == "session.updated" and updated["session"]["sample_rate"] == 16000
         await ws.send_json({"type": "text.delta", "text": "Still here."})

@@ -4,6 +4,7 @@ against the server on loopback (fake engine) and in-process on a `VoiceServer`."
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 from api_helpers import api
@@ -77,6 +78,14 @@ def speak_and_stream_frames() -> list[Frame]:
     ]
 
 
+async def wait_until(condition: Callable[[], bool], timeout_s: float) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"not within {timeout_s} s")
+
+
 def audio_seconds(frames: list[TTSAudioRawFrame]) -> float:
     return sum(len(f.audio) for f in frames) / 2 / PIPELINE_RATE_HZ
 
@@ -110,14 +119,10 @@ async def test_an_interruption_cancels_the_utterance_on_the_server():
         await runner.add_workers(worker)
         running = asyncio.ensure_future(runner.run())
         await worker.queue_frame(TTSSpeakFrame("A long answer that the caller will cut off. " * 4))
-        async with asyncio.timeout(10):
-            while not sink.of(TTSAudioRawFrame):
-                await asyncio.sleep(0.02)
+        await wait_until(lambda: bool(sink.of(TTSAudioRawFrame)), 10.0)
         assert engine.open_count == 1
         await worker.queue_frame(InterruptionFrame())
-        async with asyncio.timeout(2):  # the utterance would run for ~10 s more
-            while engine.open_count:
-                await asyncio.sleep(0.02)
+        await wait_until(lambda: engine.open_count == 0, 2.0)  # it would run for ~10 s more
         assert engine.stats["cancelled"] == 1
         heard = audio_seconds(sink.of(TTSAudioRawFrame))
         await worker.queue_frame(EndFrame())

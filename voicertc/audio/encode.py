@@ -138,13 +138,12 @@ _CONTAINERS = {
     "aac": _Container("audio/aac", "adts", "aac"),
 }
 
-FORMATS: dict[str, Callable[[int], StreamEncoder]] = {
-    "pcm": PcmEncoder,
-    "wav": WavEncoder,
-    **{name: (lambda rate, spec=spec: AvEncoder(spec, rate)) for name, spec in _CONTAINERS.items()},
-}
+_RAW: dict[str, Callable[[int], StreamEncoder]] = {"pcm": PcmEncoder, "wav": WavEncoder}
+FORMATS = (*_RAW, *_CONTAINERS)  # the `response_format` values
 
 
 def encoder_for(response_format: str, sample_rate_hz: int) -> StreamEncoder:
     """A fresh encoder for one response; KeyError for a format not in `FORMATS`."""
-    return FORMATS[response_format](sample_rate_hz)
+    if response_format in _CONTAINERS:
+        return AvEncoder(_CONTAINERS[response_format], sample_rate_hz)
+    return _RAW[response_format](sample_rate_hz)

@@ -208,15 +208,18 @@ class TtsStreamClient:
                 self._ready.set_result(event)
             return
         uid = event.get("utterance_id")
-        if kind == "speech.queued" and self._awaiting_id:
-            utt = self._awaiting_id.popleft()
-            utt.utterance_id = uid
-            self._by_id[uid] = utt
-            return
         if kind == "error" and uid is None:
             self._session_error(event)
             return
-        utt = self._by_id.get(uid) if isinstance(uid, str) else None
+        if not isinstance(uid, str):
+            return
+        if kind == "speech.queued":
+            if self._awaiting_id:
+                queued = self._awaiting_id.popleft()
+                queued.utterance_id = uid
+                self._by_id[uid] = queued
+            return
+        utt = self._by_id.get(uid)
         if utt is None:
             return
         if kind == "speech.started":

@@ -38,7 +38,7 @@ OPENAI_VOICES = frozenset(
     "alloy ash ballad cedar coral echo fable marin nova onyx sage shimmer verse".split()
 )
 STREAM_FORMATS = ("audio", "sse")
-DISCONNECT_POLL_S = 0.05  # how often a response waiting for audio looks whether its client left
+DISCONNECT_POLL_S = 0.02  # how often a response waiting for audio looks whether its client left
 # codes of an utterance that failed on its input (the engine's Failed) -> HTTP status
 FAILED_STATUS = {"bad_input": 400, "bad_text": 400, "unknown_voice": 400, "text_too_long": 413}
 OPENAI_TYPES = {

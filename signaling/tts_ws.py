@@ -9,12 +9,14 @@ Client -> server (JSON text messages):
   {"type": "cancel"}               stop now: every utterance of the session ends, buffered text is dropped
 Server -> client:
   session.created / session.updated {session}; speech.queued {utterance_id} (when its first text came);
-  speech.started {utterance_id, ttfa_ms}; the audio: binary frames of PCM16 LE mono (each at most
-  FRAME_MS), or {"type": "speech.audio.delta", utterance_id, audio: base64} when binary is false;
-  then exactly one of speech.done {utterance_id, audio_ms, interrupted} or error {utterance_id, code,
-  message}. Utterances are sent one after another, never interleaved: the binary frames between an
-  utterance's speech.started and its end belong to it. `error` without utterance_id refuses one
-  message (bad_json, unknown_type, binary_not_accepted, bad_text, ...); the session goes on.
+  speech.started {utterance_id, ttfa_ms}; speech.mark {utterance_id, text, audio_ms} before the audio
+  it speaks (the engine's text pieces; audio_ms = where that audio starts); the audio: binary frames
+  of PCM16 LE mono (each at most FRAME_MS), or {"type": "speech.audio.delta", utterance_id, audio:
+  base64} when binary is false; then exactly one of speech.done {utterance_id, audio_ms, interrupted}
+  or error {utterance_id, code, message}. Utterances are sent one after another, never interleaved:
+  the binary frames between an utterance's speech.started and its end belong to it. `error` without
+  utterance_id refuses one message (bad_json, unknown_type, binary_not_accepted, bad_text, ...); the
+  session goes on.
 Close codes: 1000 when the client closes; 1009 for a message over the size limit; 4408 after
 `[limits] text_idle_timeout_s` with no message while nothing is being spoken.
 """
@@ -338,6 +340,7 @@ class TtsSession:
                 await self._send(
                     {"type": "speech.started", "utterance_id": utt.utterance_id, "ttfa_ms": ttfa_ms}
                 )
+            await self._send_marks(utt)
             for start in range(0, len(pcm), frame_bytes):
                 if stream.cancelled or self.ws.closed:
                     return
@@ -345,11 +348,23 @@ class TtsSession:
         self._last_sent_s = self._loop.time()
         if utt.reported or stream.cancelled:
             return
+        await self._send_marks(utt)
         utt.reported = True
         if isinstance(stream.outcome, Failed):
             await self._send(_error(utt, stream.outcome.code, stream.outcome.message))
         else:
             await self._send(_done(utt, interrupted=False))
+
+    async def _send_marks(self, utt: _Utterance) -> None:
+        for mark in utt.stream.take_marks():
+            await self._send(
+                {
+                    "type": "speech.mark",
+                    "utterance_id": utt.utterance_id,
+                    "text": mark.text,
+                    "audio_ms": round(mark.audio_ms, 1),
+                }
+            )
 
     async def _send_audio(self, utt: _Utterance, pcm: bytes) -> None:
         with contextlib.suppress(ConnectionResetError):

@@ -51,13 +51,19 @@ async def test_three_deltas_speak_as_one_sentence():
             await ws.send_json({"type": "text.delta", "text": piece})
         await ws.send_json({"type": "text.flush"})
         events, audio = await until_done(ws)
+    marks = [e for e in events if e["type"] == "speech.mark"]
+    events = [e for e in events if e["type"] != "speech.mark"]
     kinds = [e["type"] for e in events]
     assert kinds == ["speech.queued", "speech.started", "speech.done"], kinds
-    assert len({e["utterance_id"] for e in events}) == 1
+    assert len({e["utterance_id"] for e in [*events, *marks]}) == 1
     assert events[1]["ttfa_ms"] >= 0 and events[2]["interrupted"] is False
     audio_ms = len(audio) / 48.0
     assert abs(audio_ms - spoken_ms("".join(PIECES))) < 100, audio_ms
     assert abs(events[2]["audio_ms"] - audio_ms) < 1
+    # text marks: the engine's pieces in order, each placed where its audio starts
+    assert " ".join(m["text"] for m in marks).split() == "".join(PIECES).split()
+    starts = [m["audio_ms"] for m in marks]
+    assert starts[0] == 0 and starts == sorted(starts) and starts[-1] < audio_ms
 
 
 async def test_cancel_stops_within_one_chunk_and_the_next_delta_speaks():
@@ -70,6 +76,8 @@ async def test_cancel_stops_within_one_chunk_and_the_next_delta_speaks():
         assert (await next_json(ws))["type"] == "speech.queued"
         assert (await next_json(ws))["type"] == "speech.started"
         first = await ws.receive()
+        while first.type == aiohttp.WSMsgType.TEXT and first.json()["type"] == "speech.mark":
+            first = await ws.receive()
         assert first.type == aiohttp.WSMsgType.BINARY
         await ws.send_json({"type": "cancel"})
         events, after_cancel = await until_done(ws)
@@ -81,7 +89,8 @@ async def test_cancel_stops_within_one_chunk_and_the_next_delta_speaks():
         await ws.send_json({"type": "text.delta", "text": "Next one."})
         await ws.send_json({"type": "text.flush"})
         events, audio = await until_done(ws)
-        assert [e["type"] for e in events] == ["speech.queued", "speech.started", "speech.done"]
+        kinds = [e["type"] for e in events if e["type"] != "speech.mark"]
+        assert kinds == ["speech.queued", "speech.started", "speech.done"]
         assert abs(len(audio) / 48.0 - spoken_ms("Next one.")) < 100
 
 

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,6 +31,14 @@ logger = logging.getLogger(__name__)
 STREAM_RATE_HZ = 24_000  # what /v1/audio/speech and /v1/tts/stream send unless asked otherwise
 MAX_BUFFER_MS = 10_000.0  # PCM the engine may run ahead of a slow reader before it waits (backpressure)
 _END = b""  # the end mark in the sink's deque (never a real piece: empty pieces are not queued)
+
+
+@dataclass(frozen=True)
+class TextMark:
+    """The engine's text for the audio that follows (SynthStep.text: a clause, a chunk, a segment)."""
+
+    text: str
+    audio_ms: float  # where that audio starts, from the utterance's first sample
 
 
 class StreamSink:
@@ -58,13 +67,14 @@ class StreamSink:
         self._clock = clock
         self._max_buffer_bytes = int(2 * self.sample_rate_hz * max_buffer_ms / 1000)
         self._lock = threading.Lock()
-        self._pieces: deque[bytes] = deque()  # under _lock
+        self._pieces: deque[bytes | TextMark] = deque()  # under _lock
         self._buffered_bytes = 0  # under _lock
         self._generation = 0
         self._resampler: StreamingResampler | None = None  # engine thread only
         self._written_samples = 0  # engine thread only
         self._first_write_s: float | None = None
         self._space_listener: Callable[[], None] | None = None
+        self._marks: list[TextMark] = []  # loop side: read and not yet taken
         self.arrived = asyncio.Event()  # set (on the loop) when pieces or the end mark arrive
 
     # --- AudioSink (engine thread) ----------------------------------------------------------------
@@ -100,6 +110,14 @@ class StreamSink:
             self._resampler = StreamingResampler(int(sample_rate_hz), self.sample_rate_hz)
         self._queue(self._resampler.process(pcm))
         return True
+
+    def mark_text(self, utterance_id: str, generation: int, text: str) -> None:
+        """Engine thread: the audio written next speaks `text` (before that audio is written)."""
+        if generation != self._generation or not text:
+            return
+        mark = TextMark(text, 1000.0 * self._written_samples / self.sample_rate_hz)
+        with self._lock:
+            self._pieces.append(mark)
 
     def end_utterance(self, utterance_id: str, generation: int) -> None:
         if generation != self._generation:
@@ -153,7 +171,13 @@ class StreamSink:
         listener = self._space_listener
         if was_full and listener is not None:
             listener()  # thread-safe: the engine's wake() only enqueues
-        return b"".join(pieces), ended
+        self._marks += [p for p in pieces if isinstance(p, TextMark)]
+        return b"".join(p for p in pieces if isinstance(p, bytes)), ended
+
+    def take_marks(self) -> list[TextMark]:
+        """The text marks read so far and not yet taken (each comes before or inside the audio read)."""
+        marks, self._marks = self._marks, []
+        return marks
 
 
 class SpeechStream:
@@ -250,6 +274,10 @@ class SpeechStream:
             await self.sink.arrived.wait()
         if ended and self.outcome is None and not self.cancelled:
             await self.terminal.wait()  # the engine's Done/Failed follows its end mark
+
+    def take_marks(self) -> list[TextMark]:
+        """Text marks of the audio delivered so far, not yet taken (`TextMark.audio_ms` places each)."""
+        return self.sink.take_marks()
 
     def _delivered(self, data: bytes) -> bytes:
         if self.first_audio_s is None:

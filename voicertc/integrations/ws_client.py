@@ -47,6 +47,7 @@ class ClientUtterance:
         self.audio_ms = 0.0
         self.interrupted = False
         self.error: TtsStreamError | None = None
+        self.marks: list[tuple[str, float]] = []  # (text, audio_ms where its audio starts): speech.mark
         self.text_sent = False
         self.flushed = False
         self.finished = asyncio.Event()
@@ -225,6 +226,8 @@ class TtsStreamClient:
         if kind == "speech.started":
             self._current = utt
             utt.ttfa_ms = event.get("ttfa_ms")
+        elif kind == "speech.mark":
+            utt.marks.append((str(event.get("text", "")), float(event.get("audio_ms", 0.0))))
         elif kind == "speech.audio.delta":
             utt._audio(base64.b64decode(event["audio"]))
         elif kind in ("speech.done", "error"):

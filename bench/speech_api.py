@@ -9,8 +9,9 @@ each path is timed on this process's clock from just before its request to its f
 - `ws`: `text.delta` + `text.flush` on an open `/v1/tts/stream` socket, to the first binary frame;
 - `webrtc`: `POST /v1/calls/{id}/speak` on a connected call, to the `speech.started` data-channel
   event (sent when the track hands the utterance's first 20 ms frame to aiortc's sender).
-After its first audio each client stops the utterance (closes the response, `cancel`, interrupt),
-the same for every path, so what is measured is the first chunk under N simultaneous requests.
+Paths take turns round by round. After its first audio each client stops the utterance (closes
+the response, `cancel`, interrupt), the same for every path, so what is measured is the first chunk
+under N simultaneous requests.
 Prints a table (p50 / p95 ms per path, and each path minus webrtc at p50); writes
 bench/results/speech_api_<engine>.json. Target: http and ws each <= the WebRTC TTFA + 20 ms.
 """
@@ -117,7 +118,11 @@ async def measure(url: str, n_rounds: int) -> list[dict[str, object]]:
                 }
                 for label, text in TEXTS.items():
                     await rounds(paths["http"], text, 1)  # warm-up, not counted
-                    stats = {path: summary(await rounds(paths[path], text, n_rounds)) for path in PATHS}
+                    samples: dict[str, list[float]] = {path: [] for path in PATHS}
+                    for _ in range(n_rounds):  # paths interleaved round by round: load drift hits all
+                        for path in PATHS:
+                            samples[path] += await rounds(paths[path], text, 1)
+                    stats = {path: summary(samples[path]) for path in PATHS}
                     row: dict[str, object] = {"clients": n, "text": label}
                     for path in PATHS:
                         row[f"{path} p50"] = stats[path]["p50"]

@@ -214,12 +214,15 @@ async def _respond(request: web.Request, speech: SpeechRequest, stream: SpeechSt
             response.headers.get("X-TTFB-Ms", "-"),
         )
         return response
-    except (ConnectionResetError, asyncio.CancelledError):
+    except ConnectionResetError:
         stream.cancel()
         logger.info("speech %s: client went away; utterance cancelled", stream.utterance_id)
         if response is None:
             raise
         return response
+    except asyncio.CancelledError:  # the server is shutting down
+        stream.cancel()
+        raise
     finally:
         watcher.cancel()
         stream.cancel()  # no-op once the engine reported its end; frees the engine otherwise

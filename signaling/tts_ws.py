@@ -225,6 +225,12 @@ class TtsSession:
             return
         utt = self._input_utterance()
         if utt is None:
+            limit = self.config.limits.max_queued_utterances
+            if len(self._utterances) >= limit:
+                message = (
+                    f"{limit} utterances are already queued or speaking ([limits] max_queued_utterances)"
+                )
+                raise _MessageError("too_many_utterances", message)
             utt = self._new_utterance()
             await self._send({"type": "speech.queued", "utterance_id": utt.utterance_id})
             self._pump()

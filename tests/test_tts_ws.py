@@ -152,6 +152,26 @@ async def test_bad_messages_get_errors_and_the_session_survives():
         assert ws.close_code == 1009
 
 
+async def test_queued_utterances_are_bounded_per_session():
+    async with (
+        api(limits={"max_queued_utterances": 2}, **SLOW) as client,
+        client.ws_connect("/v1/tts/stream") as ws,
+    ):
+        await next_json(ws)
+        for text in ("One is speaking.", "Two waits."):
+            await ws.send_json({"type": "text.delta", "text": text})
+            await ws.send_json({"type": "text.flush"})
+        await ws.send_json({"type": "text.delta", "text": "Three is refused."})
+        async with asyncio.timeout(5):
+            while True:
+                message = await ws.receive()
+                if message.type == aiohttp.WSMsgType.TEXT and message.json()["type"] == "error":
+                    event = message.json()
+                    break
+        assert event["code"] == "too_many_utterances" and "utterance_id" not in event
+        assert client.app[ENGINE].open_count == 1  # one open in the engine, one waiting for its turn
+
+
 async def test_an_idle_session_is_closed_with_4408():
     async with api(limits={"text_idle_timeout_s": 0.3}) as client, client.ws_connect("/v1/tts/stream") as ws:
         await next_json(ws)

@@ -8,6 +8,7 @@ import base64
 import io
 import json
 
+import aiohttp
 import av
 import numpy as np
 import openai
@@ -180,3 +181,21 @@ async def test_openapi_covers_the_new_routes():
         spec = await (await client.get("/openapi.json")).json()
     assert "post" in spec["paths"]["/v1/audio/speech"]
     assert "get" in spec["paths"]["/v1/tts/stream"]
+
+
+@pytest.mark.expected_errors("fake engine failure")
+async def test_a_failure_before_audio_is_an_http_error_and_after_it_a_cut_connection():
+    async with api(fake={"fail_after_chunks": 0}) as client:
+        oa = sdk(client)
+        with pytest.raises(openai.InternalServerError) as caught:
+            await oa.audio.speech.create(model="m", input=TEXT, voice="tone", response_format="pcm")
+        assert caught.value.code == "synthesis_error" and caught.value.type == "server_error"
+        await oa.close()
+    async with api(fake={"fail_after_chunks": 1, "chunk_ms": 100}) as client:
+        resp = await client.post(
+            "/v1/audio/speech", json={"input": TEXT, "voice": "tone", "response_format": "wav"}
+        )
+        assert resp.status == 200  # the first chunk had left
+        with pytest.raises(aiohttp.ClientPayloadError):  # not a complete-looking, truncated file
+            await resp.read()
+        assert client.app[ENGINE].open_count == 0

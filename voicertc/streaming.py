@@ -71,7 +71,8 @@ class StreamSink:
         self._buffered_bytes = 0  # under _lock
         self._generation = 0
         self._resampler: StreamingResampler | None = None  # engine thread only
-        self._written_samples = 0  # engine thread only
+        self._written_samples = 0  # engine thread only: samples queued at sample_rate_hz
+        self._input_ms = 0.0  # engine thread only: audio written, at the engine's rate (marks)
         self._first_write_s: float | None = None
         self._space_listener: Callable[[], None] | None = None
         self._marks: list[TextMark] = []  # loop side: read and not yet taken
@@ -108,6 +109,7 @@ class StreamSink:
         elif self._resampler.in_rate_hz != int(sample_rate_hz):  # a new engine rate mid-utterance
             self._queue(self._resampler.flush())
             self._resampler = StreamingResampler(int(sample_rate_hz), self.sample_rate_hz)
+        self._input_ms += 1000.0 * len(pcm) / sample_rate_hz
         self._queue(self._resampler.process(pcm))
         return True
 
@@ -115,7 +117,7 @@ class StreamSink:
         """Engine thread: the audio written next speaks `text` (before that audio is written)."""
         if generation != self._generation or not text:
             return
-        mark = TextMark(text, 1000.0 * self._written_samples / self.sample_rate_hz)
+        mark = TextMark(text, self._input_ms)  # input time: the resampler's delay does not move it
         with self._lock:
             self._pieces.append(mark)
 

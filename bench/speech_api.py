@@ -40,6 +40,10 @@ PATHS = ("http", "ws", "webrtc")
 PAUSE_S = 0.3  # between rounds: the engine is idle when a round starts
 
 
+# the benchmark's sockets wait while the other paths take their turns: no idle close (4408) meanwhile
+BENCH_LIMITS = "[limits]\ntext_idle_timeout_s = 3600.0\n"
+
+
 def cosyvoice_config(model_dir: Path) -> str:
     return PIPER_CONFIG_TOML.replace(
         'backend = "piper"', f'backend = "cosyvoice2"\nmodel_dir = "{model_dir}"'
@@ -149,6 +153,7 @@ def main() -> None:
     args = parser.parse_args()
     patch_aioice_loopback()  # the client peers offer 127.0.0.1 like the server does
     config = PIPER_CONFIG_TOML if args.engine == "piper" else cosyvoice_config(args.model_dir.resolve())
+    config += BENCH_LIMITS
     with served(config) as (url, _pid):
         rows = asyncio.run(measure(url, args.rounds))
     columns = list(rows[0])

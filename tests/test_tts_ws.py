@@ -200,3 +200,19 @@ async def test_closing_the_socket_cancels_its_utterances_and_auth_applies():
                 break
             await asyncio.sleep(0.02)
         assert engine.open_count == 0
+
+
+async def test_the_client_opens_a_new_socket_after_an_idle_close():
+    from voicertc.integrations.ws_client import TtsStreamClient
+
+    async with api(limits={"text_idle_timeout_s": 0.3}) as client:
+        stream = TtsStreamClient(str(client.make_url("/")))
+        for text in ("Before the pause.", "After the pause."):
+            utterance = stream.utterance()
+            await utterance.push(text)
+            await utterance.flush()
+            pcm = b"".join([chunk async for chunk in utterance.audio()])
+            assert abs(len(pcm) / 48.0 - spoken_ms(text)) < 100
+            assert utterance.marks and utterance.marks[0][1] == 0.0
+            await asyncio.sleep(0.8)  # the server closes the idle socket (4408)
+        await stream.close()

@@ -162,6 +162,7 @@ class SynthesizeStream(tts.SynthesizeStream):
         utterance = client.utterance()
 
         async def send_text() -> None:
+            await client.connect()  # before the first token: the handshake is not in the TTFA
             async for data in self._input_ch:
                 if isinstance(data, self._FlushSentinel):
                     break  # one segment per stream: the first flush ends its text

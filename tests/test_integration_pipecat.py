@@ -139,3 +139,51 @@ async def test_in_process_on_a_voice_server():
         assert server.engine.open_count == 0
     expected_s = MS_PER_CHAR * (len(SPEAK) + len("".join(LLM_DELTAS))) / 1000
     assert abs(audio_seconds(sink.of(TTSAudioRawFrame)) - expected_s) < 0.1
+
+
+async def test_token_mode_speaks_a_whole_llm_turn_as_one_utterance():
+    from pipecat.services.tts_service import TextAggregationMode
+
+    turn = ["Sure", ", I can ", "help you. Anything ", "else?"]
+    async with api() as client:
+        engine = client.app[ENGINE]
+        url = str(client.make_url("/")).rstrip("/")
+        tts = VoiceRTCTTSService(url=url, text_aggregation_mode=TextAggregationMode.TOKEN)
+        worker, runner, sink = pipeline(tts)
+        await runner.add_workers(worker)
+        await worker.queue_frames(
+            [
+                TTSSpeakFrame(SPEAK),
+                LLMFullResponseStartFrame(),
+                *[LLMTextFrame(token) for token in turn],
+                LLMFullResponseEndFrame(),
+                EndFrame(),
+            ]
+        )
+        await asyncio.wait_for(runner.run(), 30)
+        assert engine.stats["utterances"] == 2 and engine.stats["done"] == 2  # the speak, the turn
+        assert engine.open_count == 0
+    expected_s = MS_PER_CHAR * (len(SPEAK) + len("".join(turn))) / 1000
+    assert abs(audio_seconds(sink.of(TTSAudioRawFrame)) - expected_s) < 0.15
+    assert len(sink.of(TTSStartedFrame)) == 2 and len(sink.of(TTSStoppedFrame)) == 2
+
+
+async def test_token_mode_interruption_cancels_the_turn_on_the_server():
+    from pipecat.services.tts_service import TextAggregationMode
+
+    async with api(fake={"ttfa_ms": 20, "rtf": 1.0, "chunk_ms": 100}) as client:
+        engine = client.app[ENGINE]
+        url = str(client.make_url("/")).rstrip("/")
+        tts = VoiceRTCTTSService(url=url, text_aggregation_mode=TextAggregationMode.TOKEN)
+        worker, runner, sink = pipeline(tts)
+        await runner.add_workers(worker)
+        running = asyncio.ensure_future(runner.run())
+        await worker.queue_frames(
+            [LLMFullResponseStartFrame(), *[LLMTextFrame("a long answer, word by word, ") for _ in range(6)]]
+        )
+        await wait_until(lambda: bool(sink.of(TTSAudioRawFrame)), 10.0)
+        assert engine.open_count == 1  # the turn's input is still open: no end of response yet
+        await worker.queue_frame(InterruptionFrame())
+        await wait_until(lambda: engine.open_count == 0 and engine.stats["cancelled"] == 1, 2.0)
+        await worker.queue_frame(EndFrame())
+        await asyncio.wait_for(running, 30)

@@ -6,7 +6,8 @@
 clients. For 1 and 8 concurrent clients, each round every client sends the same text at once, and
 each path is timed on this process's clock from just before its request to its first audio:
 - `http`: `POST /v1/audio/speech` (`response_format: pcm`), to the first body byte;
-- `ws`: `text.delta` + `text.flush` on an open `/v1/tts/stream` socket, to the first binary frame;
+- `ws`: `text.delta` with `flush: true` (the whole text) on an open `/v1/tts/stream` socket, to the
+  first binary frame;
 - `webrtc`: `POST /v1/calls/{id}/speak` on a connected call, to the `speech.started` data-channel
   event (sent when the track hands the utterance's first 20 ms frame to aiortc's sender).
 Paths take turns round by round. After its first audio each client stops the utterance (closes
@@ -73,8 +74,7 @@ async def _ws_drain_to_done(ws: aiohttp.ClientWebSocketResponse) -> None:
 
 async def ws_ttfa(ws: aiohttp.ClientWebSocketResponse, text: str) -> float:
     start = time.monotonic()
-    await ws.send_json({"type": "text.delta", "text": text})
-    await ws.send_json({"type": "text.flush"})
+    await ws.send_json({"type": "text.delta", "text": text, "flush": True})
     while True:
         message = await ws.receive()
         if message.type == aiohttp.WSMsgType.BINARY:

@@ -4,7 +4,8 @@ Client -> server (JSON text messages):
   {"type": "session.update", "voice"?, "format"?, "sample_rate"?, "instruct"?, "binary"?}
       settings for the utterances that start after it (voice: our ids or an OpenAI name = the default;
       format "pcm_s16le"; sample_rate 8000..48000, default 24000; binary false = audio as base64 JSON)
-  {"type": "text.delta", "text"}   text for the open utterance (the first delta after a flush opens one)
+  {"type": "text.delta", "text", "flush"?}  text for the open utterance (the first delta after a flush
+                                   opens one); "flush": true = this is its last text (a text.flush after it)
   {"type": "text.flush"}           the open utterance has all its text: speak it to the end
   {"type": "cancel"}               stop now: every utterance of the session ends, buffered text is dropped
 Server -> client:
@@ -183,7 +184,12 @@ class TtsSession:
             raise _MessageError("bad_message", 'a message must be a JSON object with a string "type"')
         kind = data["type"]
         if kind == "text.delta":
+            flush = data.get("flush", False)
+            if not isinstance(flush, bool):
+                raise _MessageError("bad_request", '"flush" must be true or false')
             await self._text_delta(data.get("text"))
+            if flush:  # the whole text in one message: the engine gets it with its end, in one go
+                self._flush()
         elif kind == "text.flush":
             self._flush()
         elif kind == "cancel":

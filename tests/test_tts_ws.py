@@ -66,6 +66,17 @@ async def test_three_deltas_speak_as_one_sentence():
     assert starts[0] == 0 and starts == sorted(starts) and starts[-1] < audio_ms
 
 
+async def test_a_delta_with_flush_is_a_whole_utterance_in_one_message():
+    async with api() as client, client.ws_connect("/v1/tts/stream") as ws:
+        await next_json(ws)
+        await ws.send_json({"type": "text.delta", "text": "All of it at once.", "flush": True})
+        events, audio = await until_done(ws)
+        assert events[-1]["type"] == "speech.done" and events[-1]["interrupted"] is False
+        assert abs(len(audio) / 48.0 - spoken_ms("All of it at once.")) < 100
+        await ws.send_json({"type": "text.delta", "text": "x", "flush": "yes"})
+        assert (await next_json(ws))["code"] == "bad_request"
+
+
 async def test_cancel_stops_within_one_chunk_and_the_next_delta_speaks():
     long_text = "This is a long sentence that takes many seconds to speak. " * 3
     async with api(**SLOW) as client, client.ws_connect("/v1/tts/stream") as ws:

@@ -51,6 +51,11 @@ class InProcessUtterance:
             self.stream = self._client.open_stream()
         self.stream.push(text)
 
+    async def say(self, text: str) -> None:
+        """The whole text at once (pushed with its end in the same tick)."""
+        await self.push(text)
+        await self.flush()
+
     async def flush(self) -> None:
         self.flushed = True
         if self.stream is not None:

@@ -126,8 +126,7 @@ class ChunkedStream(tts.ChunkedStream):
         )
         try:
             utterance = client.utterance()
-            await utterance.push(self.input_text)
-            await utterance.flush()
+            await utterance.say(self.input_text)
             async for pcm in utterance.audio():
                 output_emitter.push(pcm)
             output_emitter.flush()

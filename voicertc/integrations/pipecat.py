@@ -114,8 +114,7 @@ class VoiceRTCTTSService(TTSService):
         self._speaking[context_id] = utterance
         finished = False
         try:
-            await utterance.push(text)
-            await utterance.flush()
+            await utterance.say(text)
             await self.start_tts_usage_metrics(text)
             async for pcm in utterance.audio():
                 yield TTSAudioRawFrame(pcm, self.sample_rate, 1, context_id=context_id)

@@ -59,6 +59,17 @@ class ClientUtterance:
             return
         await self._client._send_delta(self, text)
 
+    async def say(self, text: str) -> None:
+        """The whole text at once: one message (`text.delta` with `flush`), so the engine sees the text
+        and its end together (no streamed-text mode for a text that is complete)."""
+        if self.flushed or self.finished.is_set():
+            return
+        if not text:
+            await self.flush()
+            return
+        self.flushed = True
+        await self._client._send_delta(self, text, flush=True)
+
     async def flush(self) -> None:
         """No more text: the server speaks it to the end. An utterance without text ends at once."""
         if self.flushed:
@@ -172,12 +183,15 @@ class TtsStreamClient:
             await self._session.close()
             self._session = None
 
-    async def _send_delta(self, utt: ClientUtterance, text: str) -> None:
+    async def _send_delta(self, utt: ClientUtterance, text: str, flush: bool = False) -> None:
         await self.connect()
         if not utt.text_sent:
             utt.text_sent = True
             self._awaiting_id.append(utt)
-        await self._send({"type": "text.delta", "text": text})
+        message: dict[str, Any] = {"type": "text.delta", "text": text}
+        if flush:
+            message["flush"] = True
+        await self._send(message)
 
     async def _send(self, message: dict[str, Any]) -> None:
         if self._ws is None or self._ws.closed:

@@ -74,7 +74,8 @@ def speech_paths(config: Config, text_pattern: str) -> dict[str, Any]:
             "get": {
                 "summary": "WebSocket: a TTS session that takes text deltas and returns audio as it is made.",
                 "description": "Client -> server JSON: `{type: session.update, voice?, format?: pcm_s16le, "
-                "sample_rate?: 8000..48000 (24000), instruct?, binary?: true}`, `{type: text.delta, text}`, "
+                "sample_rate?: 8000..48000 (24000), instruct?, binary?: true}`, `{type: text.delta, text, "
+                "flush?}` (flush true: its last text), "
                 "`{type: text.flush}` (speak what is buffered), `{type: cancel}` (stop now, drop queued "
                 "text). Server -> client: `session.created` / `session.updated {session}`, "
                 "`speech.queued {utterance_id}`, `speech.started {utterance_id, ttfa_ms}`, `speech.mark "

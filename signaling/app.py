@@ -28,6 +28,8 @@ from signaling.metrics import Metrics
 from signaling.openapi import openapi_spec
 from signaling.registry import CallRegistry
 from signaling.routes import REGISTRY, routes
+from signaling.speech_api import speech_routes
+from signaling.tts_ws import tts_ws_routes
 from signaling.voice_admin import VoiceAdmin
 from signaling.voice_owners import VoiceOwners
 from signaling.voice_routes import VOICE_OWNERS, VOICES, voice_routes
@@ -80,6 +82,8 @@ def create_app(config: Config, engine: Engine | None = None) -> web.Application:
     app.add_routes(routes)
     app.add_routes(voice_routes)
     app.add_routes(audio_routes)  # GET /v1/calls/{id}/audio (WebSocket of the caller's mic)
+    app.add_routes(speech_routes)  # POST /v1/audio/speech (OpenAI-compatible)
+    app.add_routes(tts_ws_routes)  # GET /v1/tts/stream (WebSocket: text deltas in, audio out)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from signaling.openapi_net import net_schemas, with_net
+from signaling.openapi_speech import speech_paths, speech_schemas
 from signaling.openapi_voices import voice_paths, voice_schemas
 from voicertc.config import Config
 from voicertc.validate import UNSPEAKABLE_RANGES
@@ -428,10 +429,21 @@ def openapi_spec(config: Config) -> dict[str, Any]:
             "request needs `Authorization: Bearer <token>` (401 without, 403 wrong).",
         },
         "paths": _with_body_timeout(
-            _secured(with_net({**_paths(config), **voice_paths(config)}, config), config), config
+            _secured(
+                with_net(
+                    {**_paths(config), **voice_paths(config), **speech_paths(config, TEXT_PATTERN)}, config
+                ),
+                config,
+            ),
+            config,
         ),
         "components": {
-            "schemas": {**_schemas(config), **voice_schemas(), **net_schemas()},
+            "schemas": {
+                **_schemas(config),
+                **voice_schemas(),
+                **net_schemas(),
+                **speech_schemas(config, TEXT_PATTERN),
+            },
             "securitySchemes": bearer,
         },
         "security": [{"bearer": []}] if config.auth.enabled else [],

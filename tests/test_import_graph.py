@@ -29,8 +29,10 @@ RANK = {
     "voicertc.backends": 4,
     "voicertc.remote": 4,
     "voicertc.webrtc": 5,
+    "voicertc.streaming": 5,  # one utterance as an async PCM stream (the speech API, the integrations)
     "voicertc.export": 6,
     "voicertc.assemble": 7,
+    "voicertc.integrations": 8,  # pipecat / LiveKit adapters: clients of the whole server
 }
 
 

@@ -7,6 +7,7 @@ class VoiceRTCError(Exception):
     """Base of every error voicertc raises on purpose."""
 
     code = "voicertc_error"
+    field = ""  # the request field at fault, where one is ("text", "voice", "speed", ...)
 
 
 class ConfigError(VoiceRTCError):

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,14 +129,30 @@ class SpeakRequest:
     @classmethod
     def parse(cls, fields: Mapping[str, Any], rules: SpeakRules, *, streamed: bool = False) -> SpeakRequest:
         """Check every field once; raise the SpeakRequestError of the first problem (its code, status)."""
-        text = None if streamed else _speak_text(fields.get("text"), rules.max_text_chars)
-        voice = _speak_voice(fields.get("voice"), rules.voices)
+        with _at("text"):
+            text = None if streamed else _speak_text(fields.get("text"), rules.max_text_chars)
+        with _at("voice"):
+            voice = _speak_voice(fields.get("voice"), rules.voices)
         interrupt = fields.get("interrupt", False)
         if not isinstance(interrupt, bool):
-            raise BadFieldError('"interrupt" must be true or false')
-        instruct = _speak_instruct(fields.get("instruct"), rules.features)
-        speed = _speak_speed(fields.get("speed"), rules.features)
+            error = BadFieldError('"interrupt" must be true or false')
+            error.field = "interrupt"
+            raise error
+        with _at("instruct"):
+            instruct = _speak_instruct(fields.get("instruct"), rules.features)
+        with _at("speed"):
+            speed = _speak_speed(fields.get("speed"), rules.features)
         return cls(text=text, voice=voice, interrupt=interrupt, instruct=instruct, speed=speed)
+
+
+@contextmanager
+def _at(field: str) -> Iterator[None]:
+    """Name the field an error raised inside is about (`exc.field`: OpenAI's `param`, logs)."""
+    try:
+        yield
+    except InputError as exc:
+        exc.field = field
+        raise
 
 
 def _speak_text(text: object, max_chars: int) -> str:

@@ -27,7 +27,7 @@ from voicertc.engine.protocol import (
     SpeakOptions,
 )
 from voicertc.errors import EngineStoppedError, EngineUnavailableError, InputError, VoiceRTCError
-from voicertc.validate import SpeakRules, check_text
+from voicertc.validate import SpeakRequest, SpeakRules, check_text
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +38,20 @@ EmitFn = Callable[[ClientEvent], None]
 def speak_rules(engine: Engine, limits: LimitsConfig, voices: list[str] | None = None) -> SpeakRules:
     """What `SpeakRequest.parse` checks a request against on this engine: its options, and the voices
     the caller may use (`voices`; default: every voice of the engine)."""
-    features = [f for f in ("instruct", "speed") if engine.supports(f)]
     voices = engine.voices() if voices is None else voices
-    return SpeakRules(max_text_chars=limits.max_text_chars, voices=voices, features=features)
+    return SpeakRules(max_text_chars=limits.max_text_chars, voices=voices, features=engine_features(engine))
+
+
+def engine_features(engine: Engine) -> list[str]:
+    """The speak options the engine honours."""
+    return [f for f in ("instruct", "speed") if engine.supports(f)]
+
+
+def speak_options(engine: Engine, instruct: object = None, speed: object = None) -> SpeakOptions:
+    """Checked instruct / speed alone (a session's settings): `SpeakRequest.parse` of those two fields."""
+    rules = SpeakRules(max_text_chars=1, voices=None, features=engine_features(engine))
+    request = SpeakRequest.parse({"instruct": instruct, "speed": speed}, rules, streamed=True)
+    return SpeakOptions(instruct=request.instruct, speed=request.speed)
 
 
 class QueueFullError(VoiceRTCError):

@@ -166,6 +166,25 @@ def test_batched_equals_unbatched(model, golden_dir):
     assert not np.allclose(sinks_b["a"].samples("a"), sinks_b["b"].samples("b"))  # own RNG per utterance
 
 
+def test_static_shape_flow_and_vocoder_steps_speak_as_eager(model, golden_dir):
+    """The path `[engine] cuda_graphs` captures on CUDA, run uncaptured on CPU: same audio as eager."""
+    jobs = [("a", GOLDEN_VOICE, LONG_TEXT), ("b", GOLDEN_VOICE, LONG_TEXT), ("c", SFT_VOICE, LONG_TEXT)]
+    static = make_backend(model, golden_dir, max_segment_tokens=100, static_steps=True, graph_rows=4)
+    captured = static.captured
+    assert captured is not None and model.flow.decoder.estimator_runner is captured.flow
+    _, sinks_static = _run(static, jobs)  # _run closes the backend: the runners come off the model
+    assert model.flow.decoder.estimator_runner is None and model.hift.decode_runner is None
+    _, sinks_eager = _run(make_backend(model, golden_dir, max_segment_tokens=100), jobs)
+    stats = captured.stats()
+    assert stats["flow"].replays > 0 and stats["vocoder"].replays > 0
+    assert {key[0] for key in stats["flow"].by_shape} <= {2, 4, 8}  # 2 CFG rows per utterance, padded
+    for uid, _, _ in jobs:
+        a, b = sinks_static[uid].samples(uid), sinks_eager[uid].samples(uid)
+        assert a.size == b.size == 100 * TOKEN_SAMPLES
+        np.testing.assert_allclose(a, b, atol=2e-3, rtol=0)  # row padding: float32 rounding, as batching
+        assert _rms(a - b) < 3e-3 * _rms(a)
+
+
 def test_first_audio_arrives_before_the_text_stream_ends(model, golden_dir):
     backend = make_backend(model, golden_dir, max_segment_tokens=120)
     engine = EngineWorker(backend, default_voice=SFT_VOICE)

@@ -121,6 +121,7 @@ class EngineConfig:
     estimator: str = "torch"
     compile: bool = False
     cuda_graphs: bool = False
+    graph_memory_mb: int = 0  # captured buckets' memory, all stages together (0 = a quarter of the card)
     llm: str = "torch"
     accel_dir: str = ""
 
@@ -160,6 +161,7 @@ class EngineConfig:
             "must be torch, onnx or tensorrt",
         )
         _check(self.llm in ("torch", "thread", "vllm"), "engine.llm", "must be torch, thread or vllm")
+        _check(0 <= self.graph_memory_mb <= 1_000_000, "engine.graph_memory_mb", "must be 0..1000000")
         ok_graphs = not self.cuda_graphs or self.device.startswith("cuda")
         _check(ok_graphs, "engine.cuda_graphs", 'needs engine.device = "cuda" (or cuda:N)')
         if self.model_name in ("cosyvoice2", "cosyvoice3"):

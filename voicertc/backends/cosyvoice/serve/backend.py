@@ -31,6 +31,7 @@ import torch
 
 from voicertc.audio.decode import Clip
 from voicertc.backends.cosyvoice.accel.apply import apply_accel, vllm_export_dir
+from voicertc.backends.cosyvoice.accel.captured import cuda_capture, run_eagerly
 from voicertc.backends.cosyvoice.flow.flow import FlowStreamState
 from voicertc.backends.cosyvoice.hift.batch import vocode_batch
 from voicertc.backends.cosyvoice.hift.stream import HiftStreamState
@@ -44,6 +45,11 @@ from voicertc.backends.cosyvoice.llm.streamer import SpeechTokenStreamer, Stream
 from voicertc.backends.cosyvoice.load import load_v2 as load
 from voicertc.backends.cosyvoice.load.files import torch_dtype
 from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model
+from voicertc.backends.cosyvoice.serve.captured_stages import (
+    CapturedStages,
+    install_captured_steps,
+    remove_captured_steps,
+)
 from voicertc.backends.cosyvoice.serve.device_lane import DeviceLane, resolve_device
 from voicertc.backends.cosyvoice.serve.modes import llm_prompt
 from voicertc.backends.cosyvoice.serve.state import Cv2State, FlowedChunk
@@ -77,8 +83,10 @@ class BackendOptions:
     seed: int | None = None  # per-utterance RNGs from seed + crc32(utterance id); None = random
     max_segment_tokens: int | None = None  # hard cap on speech tokens per LLM call ([limits])
     speed_window_tokens: int = 500  # a speed-changed segment's flow call covers this many tokens at most
-    cuda_graphs: bool = False  # batched decode as CUDA graph replays, one per batch bucket (CUDA only)
-    graph_rows: int = 16  # the largest decode bucket captured (more rows decode eagerly)
+    cuda_graphs: bool = False  # every stage as CUDA graph replays (decode, flow, vocoder; CUDA only)
+    graph_rows: int = 16  # the largest bucket captured, in utterances (more rows run eagerly, counted)
+    graph_memory_mb: float = 0.0  # flow + vocoder buckets together (0 = a quarter of the card)
+    static_steps: bool = False  # flow + vocoder through the static-shape path without capture (CPU tests)
 
 
 Cv2Job = Job[Cv2State]
@@ -110,6 +118,7 @@ class CosyVoice2Backend:
             slots = max(slots, self.options.graph_rows + 1)
         self.kv = SlotKV(model.llm.llm.model.model, slots, self.options.kv_capacity)
         self.graphs = self._decode_graphs()
+        self.captured = self._captured_steps()
         self._active: dict[str, Utterance[Cv2State]] = {}  # diagnostics only (leak checks); never scheduled
         self.stats = {
             "chunks": 0, "batches": 0, "batched_chunks": 0, "batch_fallbacks": 0,
@@ -120,6 +129,20 @@ class CosyVoice2Backend:
     def bind_wake(self, wake: Callable[[], None]) -> None:
         """The worker's wake-up (any thread): a streamed token makes an utterance runnable."""
         self._wake = wake
+
+    def _captured_steps(self) -> CapturedStages | None:
+        """`cuda_graphs`: the flow estimator and HiFT's network as captured static-shape steps (the
+        torch estimator only: an ONNX / TensorRT runner keeps its place); `static_steps`: the same path
+        without capture (CPU)."""
+        if not (self.options.cuda_graphs or self.options.static_steps):
+            return None
+        cuda = self.options.cuda_graphs and self.model.device.type == "cuda"
+        return install_captured_steps(
+            self.model,
+            self.options.graph_rows,
+            self.options.graph_memory_mb,
+            cuda_capture if cuda else run_eagerly,
+        )
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         if not self.options.cuda_graphs:
@@ -183,6 +206,8 @@ class CosyVoice2Backend:
             finally:
                 t2w.release()
         logger.info("cosyvoice2 warmed up in %.0f ms", 1000 * (time.perf_counter() - started))
+        if self.captured is not None:
+            self.captured.log_summary()
 
     # ---- BatchBackend protocol ----------------------------------------------------------------
 
@@ -250,6 +275,10 @@ class CosyVoice2Backend:
     def close(self) -> None:
         for utt in list(self._active.values()):
             self.release(utt)
+        if self.captured is not None:
+            self.captured.log_summary()
+            remove_captured_steps(self.model, self.captured)
+            self.captured = None
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
@@ -626,6 +655,7 @@ def create_backend(config: Config) -> CosyVoice2Backend:
     options = BackendOptions(
         cuda_graphs=engine.cuda_graphs,
         graph_rows=engine.max_batch,
+        graph_memory_mb=engine.graph_memory_mb,
         max_segment_tokens=config.limits.max_speech_tokens_per_segment,
     )
     streamer = llm_streamer(model, engine)

@@ -1,0 +1,86 @@
+"""`[engine] cuda_graphs` for the flow and vocoder stages: install their captured static-shape steps on a
+loaded model, under one memory budget, and report what they did (start-up log, /metrics).
+
+Runs on the engine thread (the backend's constructor, which runs there). The LLM decode has its own
+graphs (`llm.graphs.DecodeGraphs`); the CosyVoice3 DiT estimator and causal HiFT are not covered yet.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from voicertc.backends.cosyvoice.accel.captured import Capture, GraphBudget, StageStats
+from voicertc.backends.cosyvoice.flow.captured import Buckets, CapturedEstimator
+from voicertc.backends.cosyvoice.flow.graph import StreamingEstimator
+from voicertc.backends.cosyvoice.flow.unet import CausalConditionalDecoder
+from voicertc.backends.cosyvoice.hift.captured import CapturedHiftDecode
+from voicertc.backends.cosyvoice.hift.generator import HiFTGenerator
+from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_BUDGET_MB = 2048.0
+
+
+@dataclass
+class CapturedStages:
+    """The captured stages of one model and their shared budget."""
+
+    budget: GraphBudget
+    flow: CapturedEstimator | None
+    hift: CapturedHiftDecode | None
+
+    def stats(self) -> dict[str, StageStats]:
+        stages = {"flow": self.flow, "vocoder": self.hift}
+        return {name: stage.stats for name, stage in stages.items() if stage is not None}
+
+    def log_summary(self) -> None:
+        for name, stats in self.stats().items():
+            logger.info(
+                "captured %s: %d buckets, %.1f MB, %.0f ms capturing; %d replays, %d eager",
+                name, stats.captures, stats.bytes / 2**20, 1000 * stats.capture_s, stats.replays, stats.eager,
+            )  # fmt: skip
+
+
+def budget_mb(memory_mb: float, device: torch.device) -> float:
+    """`[engine] graph_memory_mb`, or (0) a quarter of the card's memory."""
+    if memory_mb > 0:
+        return memory_mb
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 4 / 2**20
+    return DEFAULT_CPU_BUDGET_MB
+
+
+def install_captured_steps(
+    model: CosyVoice2Model, max_utterances: int, memory_mb: float, capture: Capture
+) -> CapturedStages:
+    """Put the captured flow estimator and HiFT decode in place on `model` (where its parts allow)."""
+    budget = GraphBudget(limit_bytes=int(budget_mb(memory_mb, model.device) * 2**20))
+    flow = None
+    decoder = model.flow.decoder
+    estimator = decoder.estimator
+    if decoder.estimator_runner is None and isinstance(estimator, CausalConditionalDecoder):
+        flow = CapturedEstimator(
+            StreamingEstimator(estimator), buckets=Buckets(max_rows=2 * max_utterances), capture=capture,
+            budget=budget,
+        )  # fmt: skip
+        decoder.estimator_runner = flow
+    hift = None
+    if isinstance(model.hift, HiFTGenerator):
+        hift = CapturedHiftDecode(model.hift, max_rows=max_utterances, capture=capture, budget=budget)
+        model.hift.decode_runner = hift
+    logger.info(
+        "captured steps: flow %s, vocoder %s, budget %.0f MB",
+        "on" if flow else "off", "on" if hift else "off", budget.limit_bytes / 2**20,
+    )  # fmt: skip
+    return CapturedStages(budget, flow, hift)
+
+
+def remove_captured_steps(model: CosyVoice2Model, stages: CapturedStages) -> None:
+    if stages.flow is not None and model.flow.decoder.estimator_runner is stages.flow:
+        model.flow.decoder.estimator_runner = None
+    if stages.hift is not None and isinstance(model.hift, HiFTGenerator):
+        model.hift.decode_runner = None

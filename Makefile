@@ -5,6 +5,10 @@ BIN := $(VENV)/bin
 # torch comes from the machine's CPU wheel (pip's find-links); pinning it keeps pip from fetching a CUDA build.
 TORCH := torch==2.13.0
 ARGS ?=
+# Two pytest workers (pytest-xdist), a test module per worker at a time (module fixtures built once):
+# most of the suite waits on real time (calls play at real-time pace, browsers, Whisper). PYTEST_WORKERS=
+# (empty) runs it in one process.
+PYTEST_WORKERS ?= -n 2 --dist loadscope
 # As root (CI), the suite runs in a network namespace with no way out (tests/offline_netns.sh), which
 # proves the server, the browser test and the bundled models need nothing beyond loopback.
 OFFLINE := $(shell tests/offline_netns.sh true >/dev/null 2>&1 && echo tests/offline_netns.sh)
@@ -16,7 +20,7 @@ serve: install
 
 # The static checks first (mypy on the package, ruff on everything): CI runs exactly this target.
 test: install-dev chromium coturn typecheck lint
-	HF_HUB_OFFLINE=1 $(OFFLINE) $(BIN)/python -m pytest -q $(ARGS)
+	HF_HUB_OFFLINE=1 $(OFFLINE) $(BIN)/python -m pytest -q $(PYTEST_WORKERS) $(ARGS)
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev

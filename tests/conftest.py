@@ -18,6 +18,22 @@ REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(os.environ.get("VOICERTC_GOLDEN") or REPO.parent / "shared" / "golden")
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`make test` runs two workers) each worker gets its share of the cores: a test
+    asking torch for more threads than that would only oversubscribe the machine."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        return
+    try:
+        import torch
+    except ImportError:
+        return
+    share = max(1, (os.cpu_count() or 2) // workers)
+    set_threads = torch.set_num_threads
+    torch.set_num_threads = lambda n: set_threads(min(int(n), share))  # type: ignore[assignment]
+    torch.set_num_threads(share)
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

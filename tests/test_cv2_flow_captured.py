@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from voicertc.backends.cosyvoice.accel.captured import run_eagerly
+from voicertc.backends.cosyvoice.accel.flow_onnx_export import example_inputs
 from voicertc.backends.cosyvoice.flow.captured import Buckets, CapturedEstimator, StepShape
 from voicertc.backends.cosyvoice.flow.flow import CausalFlow, FlowStreamState
 from voicertc.backends.cosyvoice.flow.graph import StreamingEstimator
@@ -92,10 +92,13 @@ def _with_runner(flow: CausalFlow, runner, run):
         flow.decoder.estimator_runner = None
 
 
+HOPS = [25, 50]  # + the final chunk: three chunk lengths, a growing history
+
+
 @pytest.fixture(scope="module")
 def eager_stream(flow, tts_golden):
     flow.decoder.estimator_runner = None
-    return _stream(flow, tts_golden, [25, 50, 100, 100])
+    return _stream(flow, tts_golden, HOPS)
 
 
 def test_a_streamed_utterance_through_static_steps_equals_the_eager_one(flow, tts_golden, eager_stream):
@@ -105,8 +108,8 @@ def test_a_streamed_utterance_through_static_steps_equals_the_eager_one(flow, tt
         buckets=Buckets(max_rows=8, key_quantum=64),
         capture=capture,
     )
-    got = _with_runner(flow, runner, lambda: _stream(flow, tts_golden, [25, 50, 100, 100]))
-    assert got.shape == eager_stream.shape and eager_stream.shape[2] > 300
+    got = _with_runner(flow, runner, lambda: _stream(flow, tts_golden, HOPS))
+    assert got.shape == eager_stream.shape and eager_stream.shape[2] > 150
     assert (got - eager_stream).abs().max().item() <= TOL
     steps = runner.stats.replays + runner.stats.eager
     assert runner.stats.replays > 0 and capture.replays == runner.stats.replays
@@ -124,35 +127,37 @@ def test_pad_rows_and_utterances_at_different_positions_equal_eager(flow, tts_go
     assert any(key[0] == 4 for key in runner.stats.by_shape)  # the two-utterance batch
 
 
-def test_three_utterances_run_in_a_four_utterance_bucket_with_pad_rows(flow, tts_golden):
-    tokens, voice = tts_golden["in_token"], _voice(flow, tts_golden)
-    first = -tts_golden["in_prompt_token"].shape[1] % GRID + 25
-    chunks = [tokens[:, i : i + first + LOOKAHEAD] for i in (0, 7, 14)]
-
-    def run():
-        states = [voice.clone() for _ in chunks]
-        return flow.stream_step_batch(chunks, states, finalize=False)
-
-    flow.decoder.estimator_runner = None
-    eager = run()
-    runner = CapturedEstimator(StreamingEstimator(flow.decoder.estimator), buckets=Buckets(max_rows=8))
-    got = _with_runner(flow, runner, run)
-    assert {key[0] for key in runner.stats.by_shape} == {8}  # 6 rows padded to 8
-    for e, g in zip(eager, got, strict=True):
-        assert (g - e).abs().max().item() <= TOL
+NAMES = ("x", "mu", "t", "spks", "cond", "conv_cache", "kv_cache", "attn_bias")
 
 
-def test_outside_every_bucket_or_past_the_memory_bound_runs_eagerly_and_is_counted(
-    flow, tts_golden, eager_stream
-):
+def test_three_utterances_run_in_a_four_utterance_bucket_with_pad_rows(flow):
     module = StreamingEstimator(flow.decoder.estimator)
-    small = CapturedEstimator(module, buckets=Buckets(max_rows=8, max_keys=64), capture=run_eagerly)
-    got = _with_runner(flow, small, lambda: _stream(flow, tts_golden, [25, 50, 100, 100]))
-    assert (got - eager_stream).abs().max().item() <= TOL
-    assert small.stats.eager > 0 and small.stats.replays > 0  # long histories passed max_keys
+    inputs = dict(zip(NAMES, example_inputs(module.layout, rows=6, frames=20, cached=64), strict=True))
+    expected = module(*inputs.values())
+    runner = CapturedEstimator(module, buckets=Buckets(max_rows=8, key_quantum=64))
+    got = runner.run(inputs)
+    assert [key[0] for key in runner.stats.by_shape] == [8]  # 6 rows (3 utterances) padded to 8
+    for g, e in zip(got, expected, strict=True):
+        assert g.shape == e.shape
+        torch.testing.assert_close(g, e, rtol=0, atol=TOL)
+
+
+def test_outside_every_bucket_or_past_the_memory_bound_runs_eagerly_and_is_counted(flow):
+    module = StreamingEstimator(flow.decoder.estimator)
+    inputs = dict(zip(NAMES, example_inputs(module.layout, rows=2, frames=20, cached=64), strict=True))
+    expected = module(*inputs.values())
 
     capture = CountingCapture()
+    fits = CapturedEstimator(module, buckets=Buckets(max_rows=8, key_quantum=64), capture=capture)
+    for got, want in zip(fits.run(inputs), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=TOL)
+    assert capture.captured == 1 and fits.stats.replays == 1 and fits.stats.eager == 0
+
+    long_history = CapturedEstimator(module, buckets=Buckets(max_rows=8, key_quantum=32, max_keys=32))
+    too_many_rows = CapturedEstimator(module, buckets=Buckets(max_rows=1))
     starved = CapturedEstimator(module, buckets=Buckets(max_rows=8), capture=capture, memory_mb=0.001)
-    got = _with_runner(flow, starved, lambda: _stream(flow, tts_golden, [25, 50]))
-    assert capture.captured == 0 and starved.stats.replays == 0 and starved.stats.eager > 0
-    assert starved.stats.bytes == 0
+    for runner in (long_history, too_many_rows, starved):
+        for got, want in zip(runner.run(inputs), expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=TOL)
+        assert runner.stats.eager == 1 and runner.stats.replays == 0 and runner.stats.bytes == 0
+    assert capture.captured == 1  # nothing captured past the budget

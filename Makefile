@@ -5,10 +5,17 @@ BIN := $(VENV)/bin
 # torch comes from the machine's CPU wheel (pip's find-links); pinning it keeps pip from fetching a CUDA build.
 TORCH := torch==2.13.0
 ARGS ?=
-# Two pytest workers (pytest-xdist), a test module per worker at a time (module fixtures built once):
-# most of the suite waits on real time (calls play at real-time pace, browsers, Whisper). PYTEST_WORKERS=
-# (empty) runs it in one process.
-PYTEST_WORKERS ?= -n 2 --dist loadscope
+# The suite in two phases: the model tests (CPU-bound, no clocks: parity, batching, exports) on two
+# pytest-xdist workers, a module per worker at a time, one torch thread each (tests/conftest.py); then
+# the real-time tests (calls, browsers, listening, servers) in one process, so nothing CPU-heavy runs
+# beside a test that measures playback. `make test ARGS="tests/test_call.py -x"` runs just that.
+PARALLEL_TESTS := $(filter-out tests/test_cv2_loopback.py,$(wildcard tests/test_cv2_*.py)) \
+	$(wildcard tests/test_cv3_*.py tests/test_export_*.py tests/test_gpu*.py) tests/test_doctor.py \
+	tests/test_import_graph.py tests/test_speak_request.py tests/test_delivery.py tests/test_schedule.py \
+	tests/test_scheduler.py tests/test_scheduler_batches.py tests/test_validation_properties.py \
+	tests/test_voice_ids.py tests/test_trim.py tests/test_text_chunks.py tests/test_resampler.py
+SERIAL_TESTS := $(filter-out $(PARALLEL_TESTS),$(wildcard tests/test_*.py))
+PYTEST = HF_HUB_OFFLINE=1 $(OFFLINE) $(BIN)/python -m pytest -q
 # As root (CI), the suite runs in a network namespace with no way out (tests/offline_netns.sh), which
 # proves the server, the browser test and the bundled models need nothing beyond loopback.
 OFFLINE := $(shell tests/offline_netns.sh true >/dev/null 2>&1 && echo tests/offline_netns.sh)
@@ -20,7 +27,12 @@ serve: install
 
 # The static checks first (mypy on the package, ruff on everything): CI runs exactly this target.
 test: install-dev chromium coturn typecheck lint
-	HF_HUB_OFFLINE=1 $(OFFLINE) $(BIN)/python -m pytest -q $(PYTEST_WORKERS) $(ARGS)
+ifeq ($(strip $(ARGS)),)
+	$(PYTEST) -n 2 --dist loadscope $(PARALLEL_TESTS)
+	$(PYTEST) $(SERIAL_TESTS)
+else
+	$(PYTEST) $(ARGS)
+endif
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev

@@ -43,6 +43,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -76,7 +77,7 @@ class Run:
 
     @property
     def total_ms(self) -> float:
-        return float(sum(float(c["ms"]) for c in self.chunks))  # type: ignore[arg-type]
+        return sum(float(c["ms"]) for c in self.chunks)  # type: ignore[arg-type, misc]
 
 
 # ---- inputs ---------------------------------------------------------------------------------------
@@ -199,60 +200,82 @@ def side_by_side(
     official_dump: dict,
     official_again: dict | None,
     ours: list[Run],
-) -> tuple[list[dict[str, object]], dict[str, object]]:
-    """(table rows: one per chunk and a total, the JSON record of this token count)."""
+    runs: int,
+) -> tuple[list[dict[str, object]], dict[str, Any]]:
+    """(table rows: one per chunk and the total, the JSON record of this token count). Timings over
+    the first `runs` of ours; mel: official vs our first run, and each side's run-to-run floor."""
     off_runs: list[dict] = official["runs"]  # type: ignore[assignment]
-    off_chunks = [r["chunks"] for r in off_runs]
-    timed = ours[: len(off_runs)] if len(ours) > len(off_runs) else ours
+    off_chunks: list[list[dict]] = [r["chunks"] for r in off_runs]
     n_chunks = len(off_chunks[0])
     if any(len(r.chunks) != n_chunks for r in ours) or any(len(c) != n_chunks for c in off_chunks):
-        raise RuntimeError(f"chunk counts differ: official {[len(c) for c in off_chunks]}, "
-                           f"ours {[len(r.chunks) for r in ours]}")  # fmt: skip
-    non_final = n_chunks - 1
+        counts = {"official": [len(c) for c in off_chunks], "ours": [len(r.chunks) for r in ours]}
+        raise RuntimeError(f"the two sides cut different chunks: {counts}")
+    timed, non_final = ours[:runs], n_chunks - 1
     diff = mel_diffs(official_dump["mels"], ours[0].mels, non_final)
-    ours_floor = mel_diffs(ours[0].mels, ours[1].mels, non_final) if len(ours) > 1 else []
+    ours_floor = mel_diffs(ours[0].mels, ours[1].mels, non_final)
     off_floor = mel_diffs(official_dump["mels"], official_again["mels"], non_final) if official_again else []
+
+    def ours_ms(k: int, key: str = "ms") -> list[float]:
+        return [float(r.chunks[k][key]) for r in timed]  # type: ignore[arg-type]
+
     rows: list[dict[str, object]] = []
     for k in range(n_chunks):
-        off_ms = summary([float(c[k]["ms"]) for c in off_chunks])
-        our_ms = summary([float(r.chunks[k]["ms"]) for r in timed])  # type: ignore[arg-type]
-        first = off_chunks[0][k]
+        off_ms, our_ms = summary([float(c[k]["ms"]) for c in off_chunks]), summary(ours_ms(k))
         rows.append(
-            {"chunk": k + 1, "hop_tokens": first["hop"], "frames": ours[0].chunks[k]["frames"],
-             "final": bool(first.get("final", False)),
+            {"chunk": k + 1, "hop_tokens": off_chunks[0][k]["hop"], "frames": ours[0].chunks[k]["frames"],
+             "final": bool(off_chunks[0][k].get("final", False)),
              "official_p50_ms": off_ms["p50"], "official_p95_ms": off_ms["p95"],
              "ours_p50_ms": our_ms["p50"], "ours_p95_ms": our_ms["p95"],
              "speedup": off_ms["p50"] / our_ms["p50"],
-             "ours_flow_ms": float(np.median([float(r.chunks[k]["flow_ms"]) for r in timed])),  # type: ignore[arg-type]
-             "ours_vocoder_ms": float(np.median([float(r.chunks[k]["vocoder_ms"]) for r in timed])),  # type: ignore[arg-type]
+             "ours_flow_ms": float(np.median(ours_ms(k, "flow_ms"))),
+             "ours_vocoder_ms": float(np.median(ours_ms(k, "vocoder_ms"))),
              "mel_diff": _at(diff, k), "ours_floor": _at(ours_floor, k), "official_floor": _at(off_floor, k)}
         )  # fmt: skip
-    off_total = summary([float(r["total_ms"]) for r in off_runs])
-    our_total = summary([r.total_ms for r in timed])
+    off_total, our_total = (
+        summary([float(r["total_ms"]) for r in off_runs]),
+        summary([r.total_ms for r in timed]),
+    )
     rows.append(
-        {"chunk": "total", "hop_tokens": n_tokens, "frames": sum(int(c["frames"]) for c in ours[0].chunks),  # type: ignore[call-overload]
+        {"chunk": "total", "hop_tokens": n_tokens, "frames": sum(int(r["frames"]) for r in rows),  # type: ignore[call-overload]
          "official_p50_ms": off_total["p50"], "official_p95_ms": off_total["p95"],
          "ours_p50_ms": our_total["p50"], "ours_p95_ms": our_total["p95"],
          "speedup": off_total["p50"] / our_total["p50"]}
     )  # fmt: skip
-    known = [d for d in diff if d is not None]
+    first_chunk = {"official": summary([float(c[0]["ms"]) for c in off_chunks]), "ours": summary(ours_ms(0))}
+    mel = {
+        "max_abs_diff": _max(diff),
+        "ours_floor": _max(ours_floor),
+        "official_floor": _max(off_floor),
+        "official_mel_max_abs": _max([float(m.abs().max()) for m in official_dump["mels"][:non_final]]),
+        "chunks_with_other_frames": [k + 1 for k, d in enumerate(diff) if d is None],
+    }
     record = {
         "n_tokens": n_tokens, "speech_s": n_tokens / 25, "chunks": rows,
-        "total_ms": {"official": off_total, "ours": our_total},
-        "first_chunk_ms": {"official": summary([float(c[0]["ms"]) for c in off_chunks]),
-                           "ours": summary([float(r.chunks[0]["ms"]) for r in timed])},  # type: ignore[arg-type]
+        "total_ms": {"official": off_total, "ours": our_total}, "first_chunk_ms": first_chunk,
         "speedup_total_p50": off_total["p50"] / our_total["p50"],
-        "speedup_first_chunk_p50": rows[0]["speedup"],
-        "mel_non_final": {"max_abs_diff": max(known) if known else None,
-                          "ours_floor": max((d for d in ours_floor if d is not None), default=None),
-                          "official_floor": max((d for d in off_floor if d is not None), default=None),
-                          "official_mel_max_abs": max(float(m.abs().max()) for m in official_dump["mels"][:non_final])
-                          if non_final else None,
-                          "frames_differ": [k + 1 for k, d in enumerate(diff) if d is None]},
-        "official_runs": off_runs,
+        "speedup_first_chunk_p50": first_chunk["official"]["p50"] / first_chunk["ours"]["p50"],
+        "mel_non_final": mel, "official_runs": off_runs,
         "ours_runs": [{"chunks": r.chunks, "total_ms": r.total_ms} for r in ours],
     }  # fmt: skip
     return rows, record
+
+
+def summary_line(record: dict[str, Any]) -> str:
+    mel = record["mel_non_final"]
+    return (
+        f"speedup (official p50 / ours p50): total {record['speedup_total_p50']:.2f}x, first chunk "
+        f"{record['speedup_first_chunk_p50']:.2f}x; non-final chunks' mel max |official - ours| "
+        f"{_fmt(mel['max_abs_diff'])} (run-to-run floors: ours {_fmt(mel['ours_floor'])}, "
+        f"official {_fmt(mel['official_floor'])})"
+    )
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1e}"
+
+
+def _max(values: list[float | None]) -> float | None:
+    return max((v for v in values if v is not None), default=None)
 
 
 def _at(values: list[float | None], k: int) -> float | str:
@@ -267,27 +290,26 @@ def _at(values: list[float | None], k: int) -> float | str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model-dir", type=Path, required=True)
-    parser.add_argument("--version", type=int, default=2, choices=[2, 3])
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (both sides)")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
-                        help="ours; the official side runs fp32 for float32 and its FP16 path otherwise")  # fmt: skip
-    parser.add_argument("--tokens", type=int, nargs="+", default=[250, 750], help="speech tokens per utterance")
-    parser.add_argument("--runs", type=int, default=2, help="timed utterances per side and token count")
-    parser.add_argument("--peer", type=Path, default=DEFAULT_PEER, help="the peer tree (its README)")
-    parser.add_argument("--site", default=os.environ.get("PEER_SITE", ""),
-                        help="folder with the official code's extra packages (default $PEER_SITE)")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--threads", type=int, default=2, help="ours (official_t2w.py sets 2 itself)")
-    parser.add_argument("--seed", type=int, default=OFFICIAL_SEED, help="our HiFT excitation seed")
-    parser.add_argument("--final-chunk", default="chunk_mask", choices=["chunk_mask", "reference"],
-                        help="ours: ChunkSchedule.final_chunk (the official final chunk is 'reference')")  # fmt: skip
-    parser.add_argument("--official-floor", action=argparse.BooleanOptionalAction, default=True,
-                        help="a second official process (1 run) for the official run-to-run mel floor")  # fmt: skip
-    parser.add_argument("--official-timeout-s", type=float, default=3600.0)
+    add = parser.add_argument
+    add("--model-dir", type=Path, required=True)
+    add("--version", type=int, default=2, choices=[2, 3])
+    add("--device", default="cpu", help="cpu, cuda or cuda:N (both sides)")
+    add("--dtype", default="float32", choices=sorted(DTYPES), help="ours; official: fp32 or its FP16 path")
+    add("--tokens", type=int, nargs="+", default=[250, 750], help="speech tokens per utterance")
+    add("--runs", type=int, default=2, help="timed utterances per side and token count")
+    add("--peer", type=Path, default=DEFAULT_PEER, help="the peer tree (its README)")
+    add("--site", default=os.environ.get("PEER_SITE", ""), help="the official code's extra packages")
+    add("--out", type=Path, default=DEFAULT_OUT)
+    add("--threads", type=int, default=2, help="ours (official_t2w.py sets 2 itself)")
+    add("--seed", type=int, default=OFFICIAL_SEED, help="our HiFT excitation seed")
+    add("--final-chunk", default="chunk_mask", choices=["chunk_mask", "reference"],
+        help="ours: ChunkSchedule.final_chunk (the official last chunk is 'reference')")  # fmt: skip
+    add("--official-floor", action=argparse.BooleanOptionalAction, default=True,
+        help="a second official process (1 run) for the official run-to-run mel floor")  # fmt: skip
+    add("--official-timeout-s", type=float, default=3600.0)
     args = parser.parse_args(argv)
     if args.version == 3:
-        parser.error("--version 3 is not supported yet: the peer tree holds the CosyVoice2 token2wav loop only")
+        parser.error("--version 3 is not supported yet (the peer tree holds the CosyVoice2 loop only)")
     if not (args.peer / "official_t2w.py").is_file():
         parser.error(f"--peer {args.peer}: no official_t2w.py there (the peer tree, ../shared/peer)")
     if not args.site:
@@ -315,7 +337,9 @@ def main(argv: list[str] | None = None) -> None:
     official: dict[int, tuple[dict, dict, dict | None]] = {}
     for n in args.tokens:
         result, dump = run_official(args, inputs_path, n, args.runs, f"official_{n}")
-        again = run_official(args, inputs_path, n, 1, f"official_{n}_again")[1] if args.official_floor else None
+        again = None
+        if args.official_floor:
+            again = run_official(args, inputs_path, n, 1, f"official_{n}_again")[1]
         official[n] = (result, dump, again)
 
     records, started = [], time.perf_counter()
@@ -323,17 +347,16 @@ def main(argv: list[str] | None = None) -> None:
         voice = our_voice(model, inputs)
         our_utterance(model, voice, inputs["tokens"][:, :WARMUP_TOKENS], schedule, args.seed)  # untimed
         for n in args.tokens:
-            ours = [our_utterance(model, voice, inputs["tokens"][:, :n], schedule, args.seed)
-                    for _ in range(max(2, args.runs))]  # fmt: skip  (2 at least: our run-to-run floor)
+            tokens = inputs["tokens"][:, :n]  # 2 runs at least: our run-to-run floor
+            ours = [
+                our_utterance(model, voice, tokens, schedule, args.seed) for _ in range(max(2, args.runs))
+            ]
             torch.save({"pcm": ours[0].pcm, "mels": ours[0].mels}, args.out / f"ours_{n}.pt")
-            rows, record = side_by_side(n, *official[n], ours[: max(2, args.runs)])
+            rows, record = side_by_side(n, *official[n], ours, args.runs)
             records.append(record)
             print(f"\n{n} tokens ({n / 25:.0f} s of speech), {args.device} {args.dtype}, {args.runs} runs:")
             print(table(rows, list(rows[0])))
-            mel = record["mel_non_final"]
-            print(f"speedup (official p50 / ours p50): total {record['speedup_total_p50']:.2f}x, first chunk "
-                  f"{record['speedup_first_chunk_p50']:.2f}x; non-final mel max |diff| {mel['max_abs_diff']} "
-                  f"(floors: ours {mel['ours_floor']}, official {mel['official_floor']})")  # type: ignore[index]  # fmt: skip
+            print(summary_line(record))
     logger.info("ours done in %.1f s", time.perf_counter() - started)
     first_off = official[args.tokens[0]][0]
     out = args.out / f"peer_official_{args.device.split(':')[0]}_{args.dtype}.json"

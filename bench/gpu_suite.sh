@@ -9,14 +9,16 @@
 #
 # Steps: (1) the model directory (full-size random weights, `bench.make_full_model_dir`; DEV=cpu: the
 # tiny one), (2) `pytest -m gpu tests/test_gpu*.py`, (3) `bench.cv2_stream` (bfloat16 + CUDA graphs),
-# (4) `bench.cv2_load --concurrency 1 8 16 32 64` (bfloat16 + CUDA graphs), (5)/(6) `bench.peer_official`
-# in float32 and in bfloat16 (the official side: its fp16 path). A step that would start past the deadline
-# is skipped; a step that fails does not stop the next one.
+# (4) `bench.cv2_load --concurrency 1 8 16` (bfloat16 + CUDA graphs), (5)/(6) `bench.peer_official` in
+# float32 and in bfloat16 (the official side: its fp16 path), (7) `bench.cv2_load --concurrency 32 64`.
+# cv2_load writes its JSON only at its end, so its levels are split in two steps and the large ones go
+# last: a timeout there loses only them. A step that would start past the deadline is skipped; a step
+# that fails does not stop the next one.
 #
 # Output, in OUT: `suite.log` (everything, tee'd) and `results.tar.gz`, rewritten after every step:
-# `steps.tsv` (step, exit status, seconds), `<step>.log`, the benches' JSON (bench/results/*.json written
-# by the step, `peer_<dtype>/`: the side-by-side JSON, the official JSON and logs; the .pt dumps only with
-# KEEP_DUMPS=1). Exit status: the number of failed steps.
+# `steps.tsv` (step, exit status, seconds), `<step>.log`, `<step>/`: the JSON the step wrote into
+# bench/results (peer_*: the side-by-side JSON, the official JSON and logs; the .pt dumps only with
+# KEEP_DUMPS=1), `pytest_gpu.xml`. Exit status: the number of failed steps.
 #
 # Environment (nothing outside the checkout is read except what these name):
 #   OUT              output folder (when no argument is given)
@@ -70,20 +72,22 @@ if [ "$DEV" = cpu ]; then
     MODEL_DIR=${MODEL_DIR:-$ROOT/.models/cv2_tiny_suite}
     MAKE_DIR=(bench.make_tiny_model_dir "$MODEL_DIR")
     STREAM=(--device cpu --dtype float32 --chunks 2 --runs 1)
-    LOAD=(--device cpu --dtype float32 --concurrency 1 2 --max-tokens 40 --timeout-s 300)
+    LOAD=(--device cpu --dtype float32 --max-tokens 40 --timeout-s 300)
+    LEVELS_SMALL=(1 2) LEVELS_LARGE=(3)
     PEER_FP32=(--device cpu --dtype float32 --tokens 100 --runs 2)
     PEER_HALF=(--device cpu --dtype bfloat16 --tokens 30 --runs 1 --no-official-floor)
     # seconds each step may take at most (the global deadline cuts them shorter)
-    T_DIR=300 T_TEST=300 T_STREAM=300 T_LOAD=400 T_PEER32=600 T_PEER16=600
+    T_DIR=300 T_TEST=300 T_STREAM=300 T_LOAD=400 T_PEER32=600 T_PEER16=600 T_LOAD_LARGE=400
 else
     DEADLINE_S=${DEADLINE_S:-460}
     MODEL_DIR=${MODEL_DIR:-$ROOT/.models/cv2_full}
     MAKE_DIR=(bench.make_full_model_dir --out "$MODEL_DIR")
     STREAM=(--device cuda --dtype bfloat16 --cuda-graphs --chunks 12 --runs 3)
-    LOAD=(--device cuda --dtype bfloat16 --cuda-graphs --concurrency 1 8 16 32 64 --max-tokens 250 --timeout-s 120)
+    LOAD=(--device cuda --dtype bfloat16 --cuda-graphs --max-tokens 250 --timeout-s 100)
+    LEVELS_SMALL=(1 8 16) LEVELS_LARGE=(32 64)
     PEER_FP32=(--device cuda --dtype float32 --tokens 250 750 --runs 2)
     PEER_HALF=(--device cuda --dtype bfloat16 --tokens 250 750 --runs 2 --no-official-floor)
-    T_DIR=90 T_TEST=90 T_STREAM=75 T_LOAD=150 T_PEER32=130 T_PEER16=100
+    T_DIR=60 T_TEST=90 T_STREAM=75 T_LOAD=110 T_PEER32=130 T_PEER16=90 T_LOAD_LARGE=240
 fi
 
 START=$(date +%s)
@@ -118,7 +122,9 @@ step() {  # step NAME CAP_S COMMAND...: run under min(CAP_S, time left), log it,
     rc=${PIPESTATUS[0]}
     local took=$(( $(date +%s) - t0 ))
     # the JSON the step wrote into bench/results (cv2_stream, cv2_load)
-    find bench/results -maxdepth 1 -name '*.json' -newer "$WORK/.mark" -exec cp {} "$PACK/" \; 2>/dev/null
+    mkdir -p "$PACK/$name"
+    find bench/results -maxdepth 1 -name '*.json' -newer "$WORK/.mark" -exec cp {} "$PACK/$name/" \; 2>/dev/null
+    rmdir "$PACK/$name" 2>/dev/null
     [ "$rc" = 124 ] || [ "$rc" = 137 ] && echo "=== $name: TIMED OUT after ${took}s"
     echo "=== $name: exit $rc in ${took}s"
     printf '%s\t%s\t%s\n' "$name" "$rc" "$took" >> "$PACK/steps.tsv"
@@ -139,11 +145,14 @@ step model_dir "$T_DIR" "$PYTHON" -m "${MAKE_DIR[@]}"
 step pytest_gpu "$T_TEST" "$PYTHON" -m pytest -q -m gpu tests/test_gpu*.py -p no:cacheprovider \
     --junitxml="$PACK/pytest_gpu.xml"
 step cv2_stream "$T_STREAM" "$PYTHON" -m bench.cv2_stream --model-dir "$MODEL_DIR" "${STREAM[@]}"
-step cv2_load "$T_LOAD" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD[@]}"
+step cv2_load "$T_LOAD" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD[@]}" \
+    --concurrency "${LEVELS_SMALL[@]}"
 step peer_float32 "$T_PEER32" "$PYTHON" -m bench.peer_official --model-dir "$MODEL_DIR" --peer "$PEER_DIR" \
     --site "$PEER_SITE" --out "$PACK/peer_float32" "${PEER_FP32[@]}"
 step peer_bfloat16 "$T_PEER16" "$PYTHON" -m bench.peer_official --model-dir "$MODEL_DIR" --peer "$PEER_DIR" \
     --site "$PEER_SITE" --out "$PACK/peer_bfloat16" "${PEER_HALF[@]}"
+step cv2_load_large "$T_LOAD_LARGE" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD[@]}" \
+    --concurrency "${LEVELS_LARGE[@]}"
 
 echo "=== gpu_suite done in $(( $(date +%s) - START ))s, $FAILED step(s) failed or skipped:"
 column -t "$PACK/steps.tsv" 2>/dev/null || cat "$PACK/steps.tsv"

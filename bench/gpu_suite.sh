@@ -25,7 +25,8 @@
 #   DEV              cuda (default) | cpu (dry run)
 #   PYTHON           interpreter (default: python3)
 #   DEADLINE_S       global budget in seconds from the start (default: 460 on cuda, 1500 on cpu)
-#   WHEELS           wheel folder installed offline into SITE first (default: .whl; skipped when absent)
+#   WHEELS           wheel folder installed offline into SITE first (default: .whl; skipped when absent;
+#                    DEV=cpu: WHEELS_CPU, default none, since .whl holds the GPU machine's Python 3.12 wheels)
 #   SITE             scratch `pip --target` folder for WHEELS, put first on PYTHONPATH (default: /tmp/voicertc-site)
 #   PEER_SITE        extra packages of the official code (default: SITE); passed as `--site`
 #   PEER_DIR         the peer tree (default: .carry/peer when present, else ../shared/peer)
@@ -53,7 +54,8 @@ OUT=${1:-${OUT:?usage: bench/gpu_suite.sh OUT_DIR (or set OUT); see the top of t
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 DEV=${DEV:-cuda}
 PYTHON=${PYTHON:-python3}
-WHEELS=${WHEELS:-.whl}
+WHEELS=${WHEELS-.whl}  # DEV=cpu: none unless set (.whl holds the GPU machine's Python 3.12 wheels)
+[ "$DEV" = cpu ] && WHEELS=${WHEELS_CPU:-}
 SITE=${SITE:-/tmp/voicertc-site}
 PEER_SITE=${PEER_SITE:-$SITE}
 WORK=${WORK:-$(mktemp -d)}
@@ -133,7 +135,7 @@ step() {  # step NAME CAP_S COMMAND...: run under min(CAP_S, time left), log it,
 }
 
 # (0) offline wheels (voicertc's CosyVoice path + the official code's extras) into a scratch folder
-if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+if [ -n "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     step wheels 60 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl
 fi
 export PYTHONPATH=$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}

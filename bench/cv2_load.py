@@ -30,8 +30,9 @@ from bench.report import summary, table, write_json
 from voicertc.audio import PcmRing, RingSink
 from voicertc.backends.cosyvoice.llm.streamer import ThreadedSpeechLlm
 from voicertc.backends.cosyvoice.load import load_v2 as load
+from voicertc.backends.cosyvoice.load.files import DTYPES
 from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model
-from voicertc.backends.cosyvoice.serve.backend import DTYPES, BackendOptions, CosyVoice2Backend
+from voicertc.backends.cosyvoice.serve.backend import BackendOptions, CosyVoice2Backend
 from voicertc.backends.cosyvoice.voice.voices import voice_from_features
 from voicertc.engine import Done, EngineEvent, Failed, FirstAudio
 from voicertc.engine.worker import EngineWorker

@@ -29,8 +29,9 @@ from bench.make_full_model_dir import DEFAULT_OUT, make_full_model_dir
 from bench.report import summary, table, write_json
 from voicertc.backends.cosyvoice.flow.flow import CausalFlow
 from voicertc.backends.cosyvoice.load import load_v2 as load
+from voicertc.backends.cosyvoice.load.files import DTYPES
 from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model
-from voicertc.backends.cosyvoice.serve.backend import DTYPES, BackendOptions, CosyVoice2Backend
+from voicertc.backends.cosyvoice.serve.backend import BackendOptions, CosyVoice2Backend
 from voicertc.backends.cosyvoice.voice.voices import voice_from_features
 from voicertc.engine import ChunkSchedule
 from voicertc.engine.utterance import Utterance
@@ -128,7 +129,7 @@ def ttfa_rows(
     started = time.perf_counter()
     voice = voice_from_features(
         model,
-        torch.randint(0, 6561, (1, prompt_tokens), generator=gen),
+        torch.randint(0, model.flow.cfg.vocab_size, (1, prompt_tokens), generator=gen),  # 6561 full-size
         torch.randn(1, 2 * prompt_tokens, 80, generator=gen) - 3.0,
         torch.randn(1, 192, generator=gen),
         model.text_frontend.encode(TRANSCRIPT),

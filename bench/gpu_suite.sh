@@ -1,0 +1,162 @@
+#!/bin/bash
+# The GPU benchmark run (issue 20), prepared for a lent GPU machine that reaches no package registry:
+# one script, at most ~8 minutes on an H100, every step under its own `timeout` and a global deadline,
+# each step's JSON and log packed into ONE archive in the output folder as soon as the step ends.
+#
+#   bench/gpu_suite.sh prepare              # here, with PyPI: wheels into .whl/, golden + peer into .carry/
+#   bench/gpu_suite.sh [OUT_DIR]            # there (run from the checkout root; OUT_DIR or $OUT)
+#   DEV=cpu bench/gpu_suite.sh /tmp/suite   # the dry run: same steps, tiny directory, small sizes
+#
+# Steps: (1) the model directory (full-size random weights, `bench.make_full_model_dir`; DEV=cpu: the
+# tiny one), (2) `pytest -m gpu tests/test_gpu*.py`, (3) `bench.cv2_stream` (bfloat16 + CUDA graphs),
+# (4) `bench.cv2_load --concurrency 1 8 16` (bfloat16 + CUDA graphs), (5)/(6) `bench.peer_official` in
+# float32 and in bfloat16 (the official side: its fp16 path), (7) `bench.cv2_load --concurrency 32 64`.
+# cv2_load writes its JSON only at its end, so its levels are split in two steps and the large ones go
+# last: a timeout there loses only them. A step that would start past the deadline is skipped; a step
+# that fails does not stop the next one.
+#
+# Output, in OUT: `suite.log` (everything, tee'd) and `results.tar.gz`, rewritten after every step:
+# `steps.tsv` (step, exit status, seconds), `<step>.log`, `<step>/`: the JSON the step wrote into
+# bench/results (peer_*: the side-by-side JSON, the official JSON and logs; the .pt dumps only with
+# KEEP_DUMPS=1), `pytest_gpu.xml`. Exit status: the number of failed steps.
+#
+# Environment (nothing outside the checkout is read except what these name):
+#   OUT              output folder (when no argument is given)
+#   DEV              cuda (default) | cpu (dry run)
+#   PYTHON           interpreter (default: python3)
+#   DEADLINE_S       global budget in seconds from the start (default: 460 on cuda, 1500 on cpu)
+#   WHEELS           wheel folder installed offline into SITE first (default: .whl; skipped when absent;
+#                    DEV=cpu: WHEELS_CPU, default none, since .whl holds the GPU machine's Python 3.12 wheels)
+#   SITE             scratch `pip --target` folder for WHEELS, put first on PYTHONPATH (default: /tmp/voicertc-site)
+#   PEER_SITE        extra packages of the official code (default: SITE); passed as `--site`
+#   PEER_DIR         the peer tree (default: .carry/peer when present, else ../shared/peer)
+#   VOICERTC_GOLDEN  the golden copy for the tests (default: .carry/golden when present, else ../shared/golden)
+#   MODEL_DIR        where the model directory is built (default: .models/cv2_full; cpu: .models/cv2_tiny_suite)
+#   WORK             scratch folder for the steps' files (default: a fresh mktemp -d)
+#   KEEP_DUMPS       1: also pack the peer bench's .pt dumps (mels + PCM of both sides; a few MB)
+set -u
+cd "$(dirname "$0")/.." || exit 1
+ROOT=$PWD
+
+if [ "${1:-}" = prepare ]; then  # on a machine with PyPI and ../shared beside the checkout
+    set -e
+    ../shared/gpu/fetch_wheels.sh .whl peer
+    mkdir -p .carry
+    rm -rf .carry/golden .carry/peer
+    cp -r ../shared/peer .carry/peer
+    mkdir .carry/golden && (cd ../shared/golden && tar -cf - --exclude=./cv3 .) | (cd .carry/golden && tar -xf -)
+    du -shc .whl .carry
+    echo "carry: .whl .carry (64 MiB at most in all)"
+    exit 0
+fi
+
+OUT=${1:-${OUT:?usage: bench/gpu_suite.sh OUT_DIR (or set OUT); see the top of this file}}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+DEV=${DEV:-cuda}
+PYTHON=${PYTHON:-python3}
+WHEELS=${WHEELS-.whl}  # DEV=cpu: none unless set (.whl holds the GPU machine's Python 3.12 wheels)
+[ "$DEV" = cpu ] && WHEELS=${WHEELS_CPU:-}
+SITE=${SITE:-/tmp/voicertc-site}
+PEER_SITE=${PEER_SITE:-$SITE}
+WORK=${WORK:-$(mktemp -d)}
+mkdir -p "$WORK/pack"
+PACK=$WORK/pack
+if [ -z "${PEER_DIR:-}" ]; then
+    if [ -d .carry/peer ]; then PEER_DIR=$ROOT/.carry/peer; else PEER_DIR=$ROOT/../shared/peer; fi
+fi
+if [ -z "${VOICERTC_GOLDEN:-}" ]; then
+    if [ -d .carry/golden ]; then VOICERTC_GOLDEN=$ROOT/.carry/golden; else VOICERTC_GOLDEN=$ROOT/../shared/golden; fi
+fi
+export VOICERTC_GOLDEN HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+
+if [ "$DEV" = cpu ]; then
+    DEADLINE_S=${DEADLINE_S:-1500}
+    MODEL_DIR=${MODEL_DIR:-$ROOT/.models/cv2_tiny_suite}
+    MAKE_DIR=(bench.make_tiny_model_dir "$MODEL_DIR")
+    STREAM=(--device cpu --dtype float32 --chunks 2 --runs 1)
+    LOAD=(--device cpu --dtype float32 --max-tokens 40 --timeout-s 300)
+    LEVELS_SMALL=(1 2) LEVELS_LARGE=(3)
+    PEER_FP32=(--device cpu --dtype float32 --tokens 100 --runs 2)
+    PEER_HALF=(--device cpu --dtype bfloat16 --tokens 30 --runs 1 --no-official-floor)
+    # seconds each step may take at most (the global deadline cuts them shorter)
+    T_DIR=300 T_TEST=300 T_STREAM=300 T_LOAD=400 T_PEER32=600 T_PEER16=600 T_LOAD_LARGE=400
+else
+    DEADLINE_S=${DEADLINE_S:-460}
+    MODEL_DIR=${MODEL_DIR:-$ROOT/.models/cv2_full}
+    MAKE_DIR=(bench.make_full_model_dir --out "$MODEL_DIR")
+    STREAM=(--device cuda --dtype bfloat16 --cuda-graphs --chunks 12 --runs 3)
+    LOAD=(--device cuda --dtype bfloat16 --cuda-graphs --max-tokens 250 --timeout-s 100)
+    LEVELS_SMALL=(1 8 16) LEVELS_LARGE=(32 64)
+    PEER_FP32=(--device cuda --dtype float32 --tokens 250 750 --runs 2)
+    PEER_HALF=(--device cuda --dtype bfloat16 --tokens 250 750 --runs 2 --no-official-floor)
+    T_DIR=60 T_TEST=90 T_STREAM=75 T_LOAD=110 T_PEER32=130 T_PEER16=90 T_LOAD_LARGE=240
+fi
+
+START=$(date +%s)
+exec > >(tee -a "$OUT/suite.log") 2>&1
+echo "gpu_suite: DEV=$DEV OUT=$OUT WORK=$WORK DEADLINE_S=$DEADLINE_S MODEL_DIR=$MODEL_DIR"
+echo "gpu_suite: PEER_DIR=$PEER_DIR PEER_SITE=$PEER_SITE VOICERTC_GOLDEN=$VOICERTC_GOLDEN"
+echo "gpu_suite: commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u +%FT%TZ)"
+printf 'step\texit\tseconds\n' > "$PACK/steps.tsv"
+FAILED=0
+
+pack() {  # the archive of everything so far, replaced atomically
+    cp "$OUT/suite.log" "$PACK/suite.log" 2>/dev/null
+    local excl=(--exclude='*.pt')
+    [ "${KEEP_DUMPS:-0}" = 1 ] && excl=()
+    tar -czf "$OUT/results.tar.gz.tmp" "${excl[@]}" -C "$PACK" . && mv "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"
+}
+
+step() {  # step NAME CAP_S COMMAND...: run under min(CAP_S, time left), log it, pack it
+    local name=$1 cap=$2; shift 2
+    local left=$(( DEADLINE_S - ($(date +%s) - START) - 10 ))
+    local limit=$(( cap < left ? cap : left ))
+    if [ "$limit" -lt 15 ]; then
+        echo "=== $name: skipped (deadline: ${left}s left)"
+        printf '%s\tskipped\t0\n' "$name" >> "$PACK/steps.tsv"
+        FAILED=$((FAILED + 1)); pack; return
+    fi
+    echo "=== $name (timeout ${limit}s): $*"
+    touch "$WORK/.mark"
+    local t0 rc
+    t0=$(date +%s)
+    timeout -k 10 "$limit" "$@" 2>&1 | tee "$PACK/$name.log"
+    rc=${PIPESTATUS[0]}
+    local took=$(( $(date +%s) - t0 ))
+    # the JSON the step wrote into bench/results (cv2_stream, cv2_load)
+    mkdir -p "$PACK/$name"
+    find bench/results -maxdepth 1 -name '*.json' -newer "$WORK/.mark" -exec cp {} "$PACK/$name/" \; 2>/dev/null
+    rmdir "$PACK/$name" 2>/dev/null
+    [ "$rc" = 124 ] || [ "$rc" = 137 ] && echo "=== $name: TIMED OUT after ${took}s"
+    echo "=== $name: exit $rc in ${took}s"
+    printf '%s\t%s\t%s\n' "$name" "$rc" "$took" >> "$PACK/steps.tsv"
+    [ "$rc" = 0 ] || FAILED=$((FAILED + 1))
+    pack
+}
+
+# (0) offline wheels (voicertc's CosyVoice path + the official code's extras) into a scratch folder
+if [ -n "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    step wheels 60 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl
+fi
+export PYTHONPATH=$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+"$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
+torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
+[ "$DEV" = cpu ] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+
+step model_dir "$T_DIR" "$PYTHON" -m "${MAKE_DIR[@]}"
+step pytest_gpu "$T_TEST" "$PYTHON" -m pytest -q -m gpu tests/test_gpu*.py -p no:cacheprovider \
+    --junitxml="$PACK/pytest_gpu.xml"
+step cv2_stream "$T_STREAM" "$PYTHON" -m bench.cv2_stream --model-dir "$MODEL_DIR" "${STREAM[@]}"
+step cv2_load "$T_LOAD" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD[@]}" \
+    --concurrency "${LEVELS_SMALL[@]}"
+step peer_float32 "$T_PEER32" "$PYTHON" -m bench.peer_official --model-dir "$MODEL_DIR" --peer "$PEER_DIR" \
+    --site "$PEER_SITE" --out "$PACK/peer_float32" "${PEER_FP32[@]}"
+step peer_bfloat16 "$T_PEER16" "$PYTHON" -m bench.peer_official --model-dir "$MODEL_DIR" --peer "$PEER_DIR" \
+    --site "$PEER_SITE" --out "$PACK/peer_bfloat16" "${PEER_HALF[@]}"
+step cv2_load_large "$T_LOAD_LARGE" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD[@]}" \
+    --concurrency "${LEVELS_LARGE[@]}"
+
+echo "=== gpu_suite done in $(( $(date +%s) - START ))s, $FAILED step(s) failed or skipped:"
+column -t "$PACK/steps.tsv" 2>/dev/null || cat "$PACK/steps.tsv"
+pack
+exit "$FAILED"

@@ -11,9 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import logging
 import os
 import secrets
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -315,6 +318,30 @@ def test_an_engine_app_that_is_not_there_is_refused_at_start(cluster):
         eng.start()
 
 
+def test_a_wrong_token_is_reported_as_rejected_not_unreachable(cluster, tmp_path):
+    """A front-end whose token file is not the cluster's: refused at once, saying "token rejected"."""
+    import ray
+
+    wrong = tmp_path / "wrong_token"
+    wrong.write_text(secrets.token_hex(32))
+    address = ray.get_runtime_context().gcs_address
+    script = (
+        "from voicertc.config import RayConfig\n"
+        "from voicertc.remote.client import connect_ray\n"
+        "from voicertc.errors import EngineUnavailableError\n"
+        "try:\n"
+        f"    connect_ray(RayConfig(address={address!r}, auth_token_path={str(wrong)!r}))\n"
+        "except EngineUnavailableError as exc:\n"
+        "    print('REFUSED', exc)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("RAY_AUTH_TOKEN_PATH", None)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert "REFUSED" in out.stdout, (out.stdout, out.stderr[-2000:])
+    assert "token rejected" in out.stdout and "unreachable" not in out.stdout, out.stdout
+    assert "cannot reach" not in out.stdout, out.stdout
+
+
 async def test_a_stalled_replica_fails_its_utterance_at_the_deadline(cluster):
     with remote(ray={"stall_timeout_s": 2.0}) as eng:
         async with played_ring() as (_ring, sink):
@@ -334,6 +361,7 @@ async def test_a_stalled_replica_fails_its_utterance_at_the_deadline(cluster):
                 os.kill(pid, signal.SIGCONT)
             assert isinstance(event, Failed) and event.code == "engine_lost", listener.events
             assert "stall_timeout_s" in event.message
+            assert_short_and_clean(event.message, pid)
 
             after = Listener()
             next_uid = eng.say(None, sink, after, "Still here.")
@@ -341,7 +369,15 @@ async def test_a_stalled_replica_fails_its_utterance_at_the_deadline(cluster):
             assert eng.replicas[next_uid] != victim
 
 
-async def test_a_killed_replica_fails_its_utterance_and_the_next_one_moves(cluster):
+def assert_short_and_clean(message: str, pid: int) -> None:
+    """A caller-facing error: one line of at most 200 characters, none of Ray's internals."""
+    assert len(message) <= 200 and "\n" not in message, message
+    assert str(pid) not in message and "pid" not in message.lower(), message
+    assert "127.0.0.1" not in message and "actor" not in message.lower(), message
+
+
+async def test_a_killed_replica_fails_its_utterance_and_the_next_one_moves(cluster, caplog):
+    caplog.set_level(logging.INFO, logger="voicertc.remote.client")
     with remote() as eng:
         async with played_ring() as (_ring, sink):
             warm = Listener()
@@ -356,6 +392,13 @@ async def test_a_killed_replica_fails_its_utterance_and_the_next_one_moves(clust
             await asyncio.to_thread(kill_replica, FAKE_APP, victim)
             event = await listener.terminal()
             assert isinstance(event, Failed) and event.code == "engine_lost", listener.events
+            assert_short_and_clean(event.message, eng.replica_pids[victim])
+            # Ray's account goes to the log, with the utterance and the replica's id (never None)
+            lost = [r.getMessage() for r in caplog.records if "lost its engine replica" in r.getMessage()]
+            assert any(
+                f"utterance {uid} " in m and f"lost its engine replica {victim}:" in m for m in lost
+            ), lost
+            assert any(f"utterance {uid}: Ray's account" in r.getMessage() for r in caplog.records)
 
             after = Listener()
             next_uid = eng.say(None, sink, after, "Still here.")
@@ -421,6 +464,11 @@ async def test_http_front_end_location_and_503_while_the_engine_is_gone(cluster)
         assert (await resp.json())["error"]["code"] == "engine_unavailable"
         assert resp.headers["Retry-After"] == "5"
         assert (await client.get(f"/v1/calls/{call_id}")).status == 200  # the call is still up
+        ready = await client.get("/readyz")
+        assert ready.status == 503
+        reason = (await ready.json())["reason"]  # names the app and what to run, not Ray's internals
+        assert FAKE_APP in reason and "voicertc engine-serve" in reason, reason
+        assert "Deployment(name=" not in reason, reason
     finally:
         await peer.close()
         await client.close()

@@ -61,6 +61,8 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 ENGINE_LOST = "engine_lost"
+MAX_MESSAGE_CHARS = 200  # caller-facing error messages: one short, stable line (details go to the log)
+MAX_REASON_CHARS = 300  # /readyz and 503 reasons: may name the app, the address and the command to run
 REPLICAS_KEPT = 10_000  # utterance id -> replica, for operators and tests
 CREDIT_SLACK_MS = 100.0
 DELAYS_KEPT = 100_000  # recent per-chunk hop delays (replica on this machine), for bench.remote_load
@@ -366,8 +368,7 @@ class RemoteEngine:
                 async with asyncio.timeout(self.ray.control_timeout_s):
                     info = await self._handle.info.remote()
             except Exception as exc:  # noqa: BLE001 - any failure means unavailable for now
-                reason = str(exc) or type(exc).__name__
-                self._set_available(False, f"the engine app {self.ray.app_name!r} is unavailable: {reason}")
+                self._set_available(False, self._unavailable_because(exc), detail=exc)
                 continue
             if skew := check_versions(info, self.client_version, PROTOCOL):
                 self._set_available(False, skew)
@@ -375,13 +376,32 @@ class RemoteEngine:
             self._voices = list(info.get("voices", self._voices))
             self._set_available(True)
 
-    def _set_available(self, available: bool, reason: str = "") -> None:
+    def _set_available(self, available: bool, reason: str = "", detail: BaseException | None = None) -> None:
+        """`reason` is what /readyz and a 503 say (one short line); `detail` goes to the log only."""
         if available != self._available:
-            log = logger.info if available else logger.warning
-            log("remote engine %s: %s", self.ray.app_name, "available" if available else reason)
+            if available:
+                logger.info("remote engine %s: available", self.ray.app_name)
+            elif detail is not None:
+                logger.warning(
+                    "remote engine %s: %s (%s: %s)", self.ray.app_name, reason, type(detail).__name__, detail
+                )
+            else:
+                logger.warning("remote engine %s: %s", self.ray.app_name, reason)
         self._available = available
         if reason:
-            self._unavailable_reason = reason
+            self._unavailable_reason = short_message(reason, MAX_REASON_CHARS)
+
+    def _unavailable_because(self, exc: BaseException) -> str:
+        """The caller-facing reason the app does not answer, from Ray's exception (no Ray internals)."""
+        app = self.ray.app_name
+        if isinstance(exc, TimeoutError):
+            return f"the engine app {app!r} did not answer within {self.ray.control_timeout_s:g} s"
+        if _app_missing(exc):
+            return (
+                f"the engine app {app!r} is not deployed on the Ray cluster at {self.ray.address!r}; "
+                f"deploy it: voicertc engine-serve --app-name {app} --detach"
+            )
+        return f"the engine app {app!r} is unavailable ({type(exc).__name__}); details in the log"
 
     async def _shutdown(self) -> None:
         tasks = [t for t in (self._health,) if t is not None]
@@ -457,20 +477,24 @@ class RemoteEngine:
                 done, _ = await asyncio.wait({next_message}, timeout=timeout_s)
                 if not done:
                     if not opened:
-                        self._lost(utt, f"no replica answered within {timeout_s:g} s (ray.open_timeout_s)")
+                        self._lost(
+                            utt, f"no engine replica answered within {timeout_s:g} s (ray.open_timeout_s)"
+                        )
                         return
                     if self._owes_audio(utt):
-                        self._lost(utt, f"the replica sent nothing for {timeout_s:g} s (ray.stall_timeout_s)")
+                        self._lost(
+                            utt, f"the engine replica sent nothing for {timeout_s:g} s (ray.stall_timeout_s)"
+                        )
                         return
                     continue
                 message, next_message = next_message.result(), None
                 opened = self._on_message(utt, message) or opened
         except StopAsyncIteration:
-            self._lost(utt, "the replica ended the stream without a result")
+            self._lost(utt, "the engine replica ended the stream without a result")
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a dead or drained replica: this utterance is lost
-            self._lost(utt, f"{type(exc).__name__}: {exc}")
+            self._lost(utt, "the engine replica was lost (it died or was shut down)", detail=exc)
         finally:
             if next_message is not None:
                 next_message.cancel()
@@ -510,9 +534,16 @@ class RemoteEngine:
             utt.done = event
             self._flush(utt)
         elif kind == "failed":
-            self._fail(utt, str(event.get("code", "synthesis_error")), str(event.get("message", "")))
+            message = str(event.get("message", ""))
+            if len(message) > MAX_MESSAGE_CHARS:
+                logger.warning(
+                    "utterance %s failed on replica %s: %s", utt.utterance_id, utt.replica, message
+                )
+            self._fail(utt, str(event.get("code", "synthesis_error")), short_message(message))
         else:  # the replica cancelled it on its own: it is stopping (drained or redeployed)
-            self._lost(utt, "the replica stopped (drained or shut down) before this utterance finished")
+            self._lost(
+                utt, "the engine replica stopped (drained or redeployed) before this utterance finished"
+            )
 
     def _owes_audio(self, utt: _Utterance) -> bool:
         """The replica has all the text it will get and credit to send more: silence is a stall."""
@@ -578,14 +609,35 @@ class RemoteEngine:
                     exc,
                 )
 
-    def _lost(self, utt: _Utterance, why: str) -> None:
+    def _lost(self, utt: _Utterance, why: str, detail: BaseException | None = None) -> None:
+        """Fail `utt` with `engine_lost`: the caller gets `why` (one short line, no pids, addresses or
+        actor ids); Ray's own account (`detail`) goes to the log with the utterance and session ids."""
         if utt.finished:
             return
-        if utt.replica is not None:
-            affinity.forget_replica(utt.replica)
+        replica = self._replica_of(utt)
+        if replica is not None:
+            affinity.forget_replica(replica)
         self.stats["engine_lost"] += 1
-        logger.warning("utterance %s lost its engine replica %s: %s", utt.utterance_id, utt.replica, why)
-        self._fail(utt, ENGINE_LOST, f"engine replica lost: {why}")
+        logger.warning(
+            "utterance %s (session %s) lost its engine replica %s: %s",
+            utt.utterance_id,
+            utt.session,
+            replica or "(none chosen yet)",
+            why,
+        )
+        if detail is not None:
+            logger.warning(
+                "utterance %s: Ray's account of the lost replica %s: %s: %s",
+                utt.utterance_id,
+                replica or "(none chosen yet)",
+                type(detail).__name__,
+                detail,
+            )
+        self._fail(utt, ENGINE_LOST, short_message(why))
+
+    def _replica_of(self, utt: _Utterance) -> str | None:
+        """The replica serving `utt`: from its `open` header, else the one the router pinned it to."""
+        return utt.replica or affinity.pinned_replica(utt.session)
 
     def _fail(self, utt: _Utterance, code: str, message: str) -> None:
         self._finish(utt, Failed(utt.utterance_id, code, message))
@@ -619,6 +671,22 @@ class RemoteEngine:
             utt.on_event(event)
         except Exception:
             logger.exception("utterance %s: event callback failed", utt.utterance_id)
+
+
+def short_message(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """One line of at most `limit` characters (what a caller sees in an error event or a 503)."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3].rstrip() + "..."
+
+
+def _app_missing(exc: BaseException) -> bool:
+    """Ray says the app or its deployment is gone (deleted, never deployed); its message is terse."""
+    text = str(exc)
+    return (
+        type(exc).__name__ in ("DeploymentUnavailableError",)
+        or "does not exist" in text
+        or (text.startswith("Deployment(name="))
+    )
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:
@@ -669,6 +737,8 @@ def connect_ray(ray_config: RayConfig) -> bool:
         from voicertc.remote.loopback import not_a_cluster
 
         not_a_cluster()  # else Ray swaps 127.0.0.1 for this host's outward address and cannot connect
+    if gcs_answer(ray_config.address) == TOKEN_REJECTED:
+        raise EngineUnavailableError(token_rejected_message(ray_config))
     error: list[BaseException] = []
 
     def init() -> None:
@@ -685,6 +755,9 @@ def connect_ray(ray_config: RayConfig) -> bool:
     thread = threading.Thread(target=init, name="voicertc-ray-init", daemon=True)
     thread.start()
     thread.join(ray_config.connect_timeout_s)
+    if thread.is_alive() or error:
+        if gcs_answer(ray_config.address) == TOKEN_REJECTED:  # the token may have changed meanwhile
+            raise EngineUnavailableError(token_rejected_message(ray_config))
     if thread.is_alive():
         raise EngineUnavailableError(
             f"cannot reach the Ray cluster at {ray_config.address!r} within "
@@ -695,6 +768,49 @@ def connect_ray(ray_config: RayConfig) -> bool:
             f"cannot reach the Ray cluster at {ray_config.address!r} (ray.address): {error[0]}"
         ) from error[0]
     return True
+
+
+TOKEN_REJECTED = "token_rejected"
+
+
+def token_rejected_message(ray_config: RayConfig) -> str:
+    where = ray_config.auth_token_path or "RAY_AUTH_TOKEN / ~/.ray/auth_token"
+    return (
+        f"the Ray cluster at {ray_config.address!r} answered but token rejected: this front-end's token "
+        f"({where}; ray.auth_token_path) is not the cluster's; copy the head node's token file"
+    )
+
+
+def gcs_answer(address: str, timeout_s: float = 3.0) -> str:
+    """Ask the cluster's GCS for its id with this process's token: "ok", `TOKEN_REJECTED`,
+    "unreachable", or "unknown" (a `ray://` client address, or no single local cluster for "auto")."""
+    import grpc
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    if address == "auto":
+        from ray._private import services
+
+        found = sorted(services.find_gcs_addresses())
+        if len(found) != 1:
+            return "unknown"
+        address = found[0]
+    if address.startswith("ray://") or ":" not in address:
+        return "unknown"
+    channel = init_grpc_channel(address)
+    try:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s)
+        return "ok"
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+            return TOKEN_REJECTED
+        return "unreachable"
+    except Exception:  # noqa: BLE001 - a probe only: the connect that follows reports the problem
+        logger.debug("GCS probe of %s failed", address, exc_info=True)
+        return "unknown"
+    finally:
+        channel.close()
 
 
 def _failed(exc: BaseException) -> Future[Any]:

@@ -30,6 +30,7 @@ if importlib.util.find_spec("ray") is None:
 from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 from call_helpers import PeerClient, fake_config, rms  # noqa: E402
 from cv2_engine_helpers import make_tiny_model_dir  # noqa: E402
+from ray_helpers import assert_loopback_only  # noqa: E402
 
 from signaling.app import ENGINE, create_app  # noqa: E402
 from voicertc import __version__  # noqa: E402
@@ -184,6 +185,11 @@ def kill_replica(app: str, replica: str) -> None:
             ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
             return
     raise AssertionError(f"no replica {replica} of {app}")
+
+
+def test_every_ray_socket_listens_on_loopback_only(engine):
+    """GCS, raylet, agents, workers and the replicas' gRPC servers: 127.0.0.1, never every interface."""
+    assert_loopback_only(os.getpid())
 
 
 # --- speaking through a replica -----------------------------------------------------------------------

@@ -713,13 +713,25 @@ def apply_auth(ray_config: RayConfig) -> None:
 
 def _loopback_cluster(address: str) -> bool:
     """The cluster runs on this machine's 127.0.0.1 (`engine-serve --local`, or "auto" finding one)."""
-    if address == "auto":
-        from ray._private import services
-
-        found = sorted(services.find_gcs_addresses())
-        address = found[0] if len(found) == 1 else ""
+    address = _resolve_auto(address)
     host = address.removeprefix("ray://").rpartition(":")[0] or address
     return host in ("127.0.0.1", "localhost", "[::1]")
+
+
+def _resolve_auto(address: str) -> str:
+    """The address "auto" stands for (RAY_ADDRESS, else the one local cluster, else the last `ray start`
+    cluster); '' when that finds none or several. Other addresses unchanged."""
+    if address != "auto":
+        return address
+    from ray._private import services, utils
+
+    if env := os.environ.get("RAY_ADDRESS"):
+        return env
+    running = sorted(services.find_gcs_addresses())
+    if len(running) == 1:
+        return str(running[0])
+    latest = utils.read_ray_address(None)  # the last `ray start` here (a stale file names a dead one)
+    return str(latest) if latest in running else ""
 
 
 def connect_ray(ray_config: RayConfig) -> bool:
@@ -784,23 +796,17 @@ def token_rejected_message(ray_config: RayConfig) -> str:
 def gcs_answer(address: str, timeout_s: float = 3.0) -> str:
     """Ask the cluster's GCS for its id with this process's token: "ok", `TOKEN_REJECTED`,
     "unreachable", or "unknown" (a `ray://` client address, or no single local cluster for "auto")."""
-    import grpc
+    import grpc  # type: ignore[import-untyped]
     from ray._private.grpc_utils import init_grpc_channel
     from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
 
-    if address == "auto":
-        from ray._private import services
-
-        found = sorted(services.find_gcs_addresses())
-        if len(found) != 1:
-            return "unknown"
-        address = found[0]
+    address = _resolve_auto(address)
     if address.startswith("ray://") or ":" not in address:
         return "unknown"
     channel = init_grpc_channel(address)
     try:
         stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
-        stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s)
+        stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s)  # type: ignore[attr-defined]
         return "ok"
     except grpc.RpcError as exc:
         if exc.code() == grpc.StatusCode.UNAUTHENTICATED:

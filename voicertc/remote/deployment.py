@@ -33,6 +33,7 @@ from voicertc import __version__
 from voicertc.config import Config, config_from_dict
 from voicertc.engine.protocol import Cancelled, Done, Engine, EngineEvent, Failed, FirstAudio, SpeakOptions
 from voicertc.errors import VoiceRTCError
+from voicertc.remote.loopback import bind_replica_servers_to_the_node_address
 from voicertc.remote.wire import DEPLOYMENT_NAME, PROTOCOL, ROUTER_CLASS, Message, pcm_message
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,7 @@ class EngineReplica:
     """One replica: the configured engine, started in the constructor (model load), plus its streams."""
 
     def __init__(self, config_data: dict[str, Any], build_engine: Callable[[Config], Engine]) -> None:
+        bind_replica_servers_to_the_node_address()  # before Serve starts this replica's gRPC server
         self.config: Config = config_from_dict(config_data)
         self.engine = build_engine(self.config)
         self.engine.start()

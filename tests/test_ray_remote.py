@@ -438,6 +438,38 @@ async def test_two_cosyvoice2_replicas_share_one_gpu(cluster):
         await asyncio.to_thread(serve.delete, "voicertc-cv2-gpu")
 
 
+async def test_voices_are_listed_from_the_replicas_and_registration_says_what_to_do(cluster):
+    """GET /v1/voices and /v1/voices/{id} answer from a replica's voice book (no 500); registering
+    and deleting answer 400 `not_supported`, naming what works instead."""
+    import base64
+
+    from audio_clips import clip
+
+    client = TestClient(TestServer(create_app(front_end(CV2_APP))))
+    await client.start_server()
+    try:
+        engine = client.app[ENGINE]
+        resp = await client.get("/v1/voices")
+        assert resp.status == 200, await resp.text()
+        voices = (await resp.json())["voices"]
+        assert [v["id"] for v in voices] == engine.voices() and voices, voices
+        first = voices[0]
+        resp = await client.get(f"/v1/voices/{first['id']}")
+        assert resp.status == 200, await resp.text()
+        assert await resp.json() == first
+        assert (await client.get("/v1/voices/no-such-voice")).status == 404
+
+        body = {"audio": base64.b64encode(clip(seconds=3.0)).decode(), "transcript": "Hello there."}
+        resp = await client.post("/v1/voices", json=body)
+        assert resp.status == 400, await resp.text()
+        error = (await resp.json())["error"]
+        assert error["code"] == "not_supported" and "voices_dir" in error["message"], error
+        resp = await client.delete(f"/v1/voices/{first['id']}")
+        assert resp.status == 400 and (await resp.json())["error"]["code"] == "not_supported"
+    finally:
+        await client.close()
+
+
 async def test_http_front_end_location_and_503_while_the_engine_is_gone(cluster):
     """Runs last: it deletes the fake app. The call stays up; speak answers 503 + Retry-After."""
     from ray import serve
@@ -470,6 +502,10 @@ async def test_http_front_end_location_and_503_while_the_engine_is_gone(cluster)
         assert (await resp.json())["error"]["code"] == "engine_unavailable"
         assert resp.headers["Retry-After"] == "5"
         assert (await client.get(f"/v1/calls/{call_id}")).status == 200  # the call is still up
+        resp = await client.get("/v1/voices")  # the page asks on every load: 503, not 500
+        assert resp.status == 503, await resp.text()
+        assert (await resp.json())["error"]["code"] == "engine_unavailable"
+        assert resp.headers["Retry-After"] == "5"
         ready = await client.get("/readyz")
         assert ready.status == 503
         reason = (await ready.json())["reason"]  # names the app and what to run, not Ray's internals

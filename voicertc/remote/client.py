@@ -46,7 +46,7 @@ from voicertc.engine.protocol import (
     Failed,
     SpeakOptions,
 )
-from voicertc.engine.voice_book import VoiceInfo, builtin_info
+from voicertc.engine.voice_book import VoiceInfo
 from voicertc.errors import EngineUnavailableError, InputError, NotSupportedError, UnknownVoiceError
 from voicertc.remote import affinity
 from voicertc.remote.wire import PROTOCOL, check_versions, pcm_from_message
@@ -62,6 +62,15 @@ logger = logging.getLogger(__name__)
 
 ENGINE_LOST = "engine_lost"
 MAX_MESSAGE_CHARS = 200  # caller-facing error messages: one short, stable line (details go to the log)
+REGISTER_NOT_SUPPORTED = (
+    'registering voices through a front-end with engine.backend = "ray" is not supported yet: save the '
+    "voice into the replicas' [engine] voices_dir (register it on an in-process server using that "
+    "directory) and redeploy; replicas load the voices there when they start"
+)
+DELETE_NOT_SUPPORTED = (
+    'deleting voices through a front-end with engine.backend = "ray" is not supported yet: remove it from '
+    "the replicas' [engine] voices_dir and redeploy"
+)
 MAX_REASON_CHARS = 300  # /readyz and 503 reasons: may name the app, the address and the command to run
 REPLICAS_KEPT = 10_000  # utterance id -> replica, for operators and tests
 CREDIT_SLACK_MS = 100.0
@@ -239,19 +248,21 @@ class RemoteEngine:
         return _failed(NotSupportedError("engine commands are not supported by the remote engine"))
 
     def list_voices(self) -> Future[list[VoiceInfo]]:
-        """The voices the replicas reported (built-in descriptions)."""
-        done: Future[list[VoiceInfo]] = Future()
-        done.set_result([builtin_info(v) for v in self._voices])
-        return done
+        """The voice book of a replica (the replicas of one app run one config: the same voices);
+        EngineUnavailableError (503) while the app does not answer."""
+        loop = self._loop
+        if loop is None or not self.available:
+            return _failed(EngineUnavailableError(self._unavailable_reason, self.ray.retry_after_s))
+        return asyncio.run_coroutine_threadsafe(self._list_voices(), loop)
 
     def register_voice(
         self, clip: Clip, transcript: str | None, voice_id: str | None, name: str
     ) -> Future[VoiceInfo]:
-        return _failed(NotSupportedError("registering voices is not supported by the remote engine yet"))
+        return _failed(NotSupportedError(REGISTER_NOT_SUPPORTED))
 
     def delete_voice(self, voice_id: str) -> Future[None]:
         if voice_id in self._voices:
-            return _failed(NotSupportedError("deleting voices is not supported by the remote engine yet"))
+            return _failed(NotSupportedError(DELETE_NOT_SUPPORTED))
         return _failed(UnknownVoiceError(f"unknown voice {voice_id!r}"))
 
     @property
@@ -357,6 +368,17 @@ class RemoteEngine:
         if skew := check_versions(info, self.client_version, PROTOCOL):
             raise VersionSkewError(skew)
         return info
+
+    async def _list_voices(self) -> list[VoiceInfo]:
+        try:
+            async with asyncio.timeout(self.ray.control_timeout_s):
+                infos: list[VoiceInfo] = await self._handle.voices.remote()
+        except Exception as exc:  # noqa: BLE001 - Ray raises many types; all mean "not answering"
+            reason = self._unavailable_because(exc)
+            logger.warning("remote engine %s: listing voices failed: %s (%r)", self.ray.app_name, reason, exc)
+            raise EngineUnavailableError(reason, self.ray.retry_after_s) from None
+        self._voices = [str(info["id"]) for info in infos]
+        return infos
 
     async def _start_health(self) -> asyncio.Task[None]:
         return asyncio.get_running_loop().create_task(self._health_loop())

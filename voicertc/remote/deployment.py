@@ -156,6 +156,10 @@ class EngineReplica:
             "features": sorted(f for f in ("instruct", "speed") if self._supports(f)),
         }
 
+    async def voices(self, **_routing: Any) -> list[dict[str, Any]]:
+        """This replica's voice book (built-in and stored voices, with what is known about them)."""
+        return [dict(info) for info in await asyncio.wrap_future(self.engine.list_voices())]
+
     def _supports(self, feature: str) -> bool:
         return self.engine.supports(feature)
 

@@ -39,6 +39,7 @@ from voicertc.audio import PcmRing, RingSink  # noqa: E402
 from voicertc.config import Config, RayConfig  # noqa: E402
 from voicertc.engine.protocol import Cancelled, Done, EngineEvent, Failed, FirstAudio  # noqa: E402
 from voicertc.errors import EngineUnavailableError  # noqa: E402
+from voicertc.remote import affinity  # noqa: E402
 from voicertc.remote.client import RemoteEngine, VersionSkewError, apply_auth  # noqa: E402
 from voicertc.remote.deployment import build_app  # noqa: E402
 from voicertc.remote.loopback import loopback_init_options, not_a_cluster  # noqa: E402
@@ -348,31 +349,55 @@ def test_a_wrong_token_is_reported_as_rejected_not_unreachable(cluster, tmp_path
     assert "cannot reach" not in out.stdout, out.stdout
 
 
-async def test_a_stalled_replica_fails_its_utterance_at_the_deadline(cluster):
-    with remote(ray={"stall_timeout_s": 2.0}) as eng:
+async def test_a_stalled_replica_is_avoided_alone_and_taken_back_when_it_answers(cluster):
+    """SIGSTOP one of two replicas: its utterance fails at the deadline, the engine stays available,
+    the immediate retry goes to the other one; after SIGCONT it takes new calls again."""
+    with remote(ray={"stall_timeout_s": 2.0, "control_timeout_s": 1.0}) as eng:
         async with played_ring() as (_ring, sink):
             warm = Listener()
             eng.say(None, sink, warm, "Warm up.")
             assert isinstance(await warm.terminal(), Done)
             victim = eng.replicas[warm.events[-1].utterance_id]
             pid = eng.replica_pids[victim]
+            availability: list[bool] = []
+
+            async def watch() -> None:
+                while True:
+                    availability.append(eng.available)
+                    await asyncio.sleep(0.05)
 
             listener = Listener()
             eng.say(None, sink, listener, LONG_TEXT)
             await listener.first_audio()
+            watcher = asyncio.get_running_loop().create_task(watch())
             os.kill(pid, signal.SIGSTOP)  # alive, silent: a stalled replica
             try:
                 event = await listener.terminal()
+                assert isinstance(event, Failed) and event.code == "engine_lost", listener.events
+                assert "stall_timeout_s" in event.message
+                assert_short_and_clean(event.message, pid)
+
+                after = Listener()  # the call's immediate retry, while the victim is still stopped
+                next_uid = eng.say(None, sink, after, "Still here.")
+                assert isinstance(await after.terminal(), Done), after.events
+                assert eng.replicas[next_uid] != victim
+                await asyncio.sleep(1.5)  # health probes run meanwhile (one of them times out)
+                assert affinity.avoided(victim)
             finally:
                 os.kill(pid, signal.SIGCONT)
-            assert isinstance(event, Failed) and event.code == "engine_lost", listener.events
-            assert "stall_timeout_s" in event.message
-            assert_short_and_clean(event.message, pid)
+                watcher.cancel()
+            assert availability and all(availability), "the whole engine was marked unavailable"
 
-            after = Listener()
-            next_uid = eng.say(None, sink, after, "Still here.")
-            assert isinstance(await after.terminal(), Done), after.events
-            assert eng.replicas[next_uid] != victim
+        for _ in range(100):  # a probe of it succeeds: it is taken back
+            if not affinity.avoided(victim):
+                break
+            await asyncio.sleep(0.1)
+        assert not affinity.avoided(victim)
+        async with played_ring() as (_ring, new_sink):  # a new call goes to the least loaded: the victim
+            fresh = Listener()
+            uid = eng.say(None, new_sink, fresh, "A new call.")
+            assert isinstance(await fresh.terminal(), Done), fresh.events
+            assert eng.replicas[uid] == victim
 
 
 def assert_short_and_clean(message: str, pid: int) -> None:

@@ -102,6 +102,7 @@ class _Utterance(Delivery):
     credited_ms: float = 0.0
     done: dict[str, Any] | None = None  # the replica's "done", held until pending PCM is written
     finished: bool = False
+    counted_on: str | None = None  # the replica whose load this utterance counts in (until it ends)
     task: asyncio.Task[None] | None = None
     control_task: asyncio.Task[None] | None = None
     gen: Any = None
@@ -369,10 +370,21 @@ class RemoteEngine:
             raise VersionSkewError(skew)
         return info
 
-    async def _list_voices(self) -> list[VoiceInfo]:
+    async def _ask(self, method: str, **kwargs: Any) -> Any:
+        """One call to a replica method within `ray.control_timeout_s`. A call that fails or times
+        out is cancelled in Serve too: one routed to a replica that is gone would otherwise wait in
+        the router for it forever."""
+        response = getattr(self._handle, method).remote(**kwargs)
         try:
             async with asyncio.timeout(self.ray.control_timeout_s):
-                infos: list[VoiceInfo] = await self._handle.voices.remote()
+                return await response
+        except BaseException:
+            response.cancel()
+            raise
+
+    async def _list_voices(self) -> list[VoiceInfo]:
+        try:
+            infos: list[VoiceInfo] = await self._ask("voices")
         except Exception as exc:  # noqa: BLE001 - Ray raises many types; all mean "not answering"
             reason = self._unavailable_because(exc)
             logger.warning("remote engine %s: listing voices failed: %s (%r)", self.ray.app_name, reason, exc)
@@ -384,19 +396,55 @@ class RemoteEngine:
         return asyncio.get_running_loop().create_task(self._health_loop())
 
     async def _health_loop(self) -> None:
+        """Probe every replica (exact routing) each `health_interval_s`: a replica that does not answer
+        is avoided, one that answers again takes new calls again, and their reported loads feed the
+        router. The engine is unavailable only while no replica answers."""
         while True:
             await asyncio.sleep(self.ray.health_interval_s)
-            try:
-                async with asyncio.timeout(self.ray.control_timeout_s):
-                    info = await self._handle.info.remote()
-            except Exception as exc:  # noqa: BLE001 - any failure means unavailable for now
-                self._set_available(False, self._unavailable_because(exc), detail=exc)
-                continue
-            if skew := check_versions(info, self.client_version, PROTOCOL):
-                self._set_available(False, skew)
-                continue
-            self._voices = list(info.get("voices", self._voices))
-            self._set_available(True)
+            await self._probe_replicas()
+
+    async def _probe_replicas(self) -> None:
+        replicas = affinity.known_replicas(self.ray.app_name)
+        targets: list[str | None] = list(replicas) or [None]  # None: any replica (none known yet)
+        results = await asyncio.gather(*(self._probe(rid) for rid in targets), return_exceptions=True)
+        answers = [r for r in results if isinstance(r, dict)]
+        if not answers:
+            failure = next((r for r in results if isinstance(r, BaseException)), None)
+            if failure is not None:
+                self._set_available(False, self._unavailable_because(failure), detail=failure)
+            return
+        info = answers[0]
+        if skew := check_versions(info, self.client_version, PROTOCOL):
+            self._set_available(False, skew)
+            return
+        self._voices = list(info.get("voices", self._voices))
+        self._set_available(True)
+
+    async def _probe(self, replica: str | None) -> dict[str, Any]:
+        """One replica's info (or any replica's, for None); marks that replica healthy or avoided."""
+        routing = {"replica": replica} if replica is not None else {}
+        try:
+            info: dict[str, Any] = await self._ask("info", front_end=affinity.FRONT_END, **routing)
+        except Exception as exc:
+            if replica is not None and not affinity.avoided(replica):
+                affinity.forget_replica(replica)
+                logger.warning(
+                    "remote engine %s: replica %s missed its health probe, avoided until it answers (%s)",
+                    self.ray.app_name,
+                    replica,
+                    type(exc).__name__,
+                )
+            raise
+        answered = str(info.get("replica", replica or ""))
+        if answered:
+            if affinity.recovered(answered):
+                logger.info(
+                    "remote engine %s: replica %s answers again; it takes new calls",
+                    self.ray.app_name,
+                    answered,
+                )
+            affinity.report_load(answered, int(info.get("others_open", 0)))
+        return info
 
     def _set_available(self, available: bool, reason: str = "", detail: BaseException | None = None) -> None:
         """`reason` is what /readyz and a 503 say (one short line); `detail` goes to the log only."""
@@ -490,6 +538,7 @@ class RemoteEngine:
                 max_ahead_ms=self.max_ahead_ms,
                 instruct=utt.options.instruct,
                 speed=utt.options.speed,
+                front_end=affinity.FRONT_END,
             )
             opened = False
             while not utt.finished and utt.done is None:  # after "done", only the ring may hold it up
@@ -540,6 +589,9 @@ class RemoteEngine:
             self._flush(utt)
         elif kind == "open":
             utt.replica = str(message[1]["replica"])
+            if utt.counted_on is None:
+                utt.counted_on = utt.replica
+                affinity.utterance_opened(utt.replica)
             self.replica_pids[utt.replica] = int(message[1].get("pid", 0))
             self.replicas[utt.utterance_id] = utt.replica
             while len(self.replicas) > REPLICAS_KEPT:
@@ -619,10 +671,13 @@ class RemoteEngine:
             if not message or utt.finished:
                 continue
             try:
-                async with asyncio.timeout(self.ray.control_timeout_s):
-                    await self._handle.control.remote(
-                        session=utt.session, replica=utt.replica, utterance_id=utt.utterance_id, **message
-                    )
+                await self._ask(
+                    "control",
+                    session=utt.session,
+                    replica=utt.replica,
+                    utterance_id=utt.utterance_id,
+                    **message,
+                )
             except Exception as exc:  # noqa: BLE001 - the stream notices a lost replica itself
                 logger.warning(
                     "utterance %s: control message to replica %s failed: %s",
@@ -669,6 +724,8 @@ class RemoteEngine:
         if utt.finished:
             return
         utt.finished = True
+        if utt.counted_on is not None:
+            affinity.utterance_closed(utt.counted_on)  # ended: it stops counting at once
         self._utts.pop(utt.utterance_id, None)
         with self._lock:
             self._open.discard(utt.utterance_id)

@@ -36,7 +36,7 @@ from signaling.voice_routes import VOICE_OWNERS, VOICES, voice_routes
 from voicertc.assemble import create_engine
 from voicertc.config import Config
 from voicertc.engine.protocol import Engine
-from voicertc.errors import ConfigError, EngineStoppedError
+from voicertc.errors import ConfigError, EngineStoppedError, EngineUnavailableError
 from voicertc.listen.models import load_listen_models
 from voicertc.webrtc.loopback import patch_aioice_loopback
 from voicertc.webrtc.ports import patch_aioice_port_range
@@ -167,6 +167,8 @@ async def _error_json(request: web.Request, handler: Handler) -> web.StreamRespo
         if exc.status >= 500:
             logger.warning("%s %s -> %d %s", request.method, request.path, exc.status, exc.message)
         return error_response(exc.status, exc.code, exc.message, exc.headers)
+    except EngineUnavailableError as exc:  # a remote engine out of reach: say when to ask again
+        return error_response(503, exc.code, str(exc), {"Retry-After": str(exc.retry_after_s)})
     except EngineStoppedError as exc:
         return error_response(503, exc.code, str(exc))
     except HttpProcessingError as exc:  # a body aiohttp could not parse (multipart framing, headers)

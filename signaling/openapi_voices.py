@@ -47,7 +47,10 @@ def voice_paths(config: Config) -> dict[str, Any]:
                             }
                         },
                     },
-                    "503": _error("The engine is not running (`engine_stopped`)."),
+                    "503": _error(
+                        "The engine is not running (`engine_stopped`), or the Ray engine app does not "
+                        "answer (`engine_unavailable`, with `Retry-After`)."
+                    ),
                 },
             },
             "post": {

@@ -11,9 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import logging
 import os
 import secrets
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +30,7 @@ if importlib.util.find_spec("ray") is None:
 from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 from call_helpers import PeerClient, fake_config, rms  # noqa: E402
 from cv2_engine_helpers import make_tiny_model_dir  # noqa: E402
+from ray_helpers import assert_loopback_only  # noqa: E402
 
 from signaling.app import ENGINE, create_app  # noqa: E402
 from voicertc import __version__  # noqa: E402
@@ -35,6 +39,7 @@ from voicertc.audio import PcmRing, RingSink  # noqa: E402
 from voicertc.config import Config, RayConfig  # noqa: E402
 from voicertc.engine.protocol import Cancelled, Done, EngineEvent, Failed, FirstAudio  # noqa: E402
 from voicertc.errors import EngineUnavailableError  # noqa: E402
+from voicertc.remote import affinity  # noqa: E402
 from voicertc.remote.client import RemoteEngine, VersionSkewError, apply_auth  # noqa: E402
 from voicertc.remote.deployment import build_app  # noqa: E402
 from voicertc.remote.loopback import loopback_init_options, not_a_cluster  # noqa: E402
@@ -183,6 +188,11 @@ def kill_replica(app: str, replica: str) -> None:
     raise AssertionError(f"no replica {replica} of {app}")
 
 
+def test_every_ray_socket_listens_on_loopback_only(engine):
+    """GCS, raylet, agents, workers and the replicas' gRPC servers: 127.0.0.1, never every interface."""
+    assert_loopback_only(os.getpid())
+
+
 # --- speaking through a replica -----------------------------------------------------------------------
 
 
@@ -315,33 +325,90 @@ def test_an_engine_app_that_is_not_there_is_refused_at_start(cluster):
         eng.start()
 
 
-async def test_a_stalled_replica_fails_its_utterance_at_the_deadline(cluster):
-    with remote(ray={"stall_timeout_s": 2.0}) as eng:
+def test_a_wrong_token_is_reported_as_rejected_not_unreachable(cluster, tmp_path):
+    """A front-end whose token file is not the cluster's: refused at once, saying "token rejected"."""
+    import ray
+
+    wrong = tmp_path / "wrong_token"
+    wrong.write_text(secrets.token_hex(32))
+    address = ray.get_runtime_context().gcs_address
+    script = (
+        "from voicertc.config import RayConfig\n"
+        "from voicertc.remote.client import connect_ray\n"
+        "from voicertc.errors import EngineUnavailableError\n"
+        "try:\n"
+        f"    connect_ray(RayConfig(address={address!r}, auth_token_path={str(wrong)!r}))\n"
+        "except EngineUnavailableError as exc:\n"
+        "    print('REFUSED', exc)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("RAY_AUTH_TOKEN_PATH", None)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert "REFUSED" in out.stdout, (out.stdout, out.stderr[-2000:])
+    assert "token rejected" in out.stdout and "unreachable" not in out.stdout, out.stdout
+    assert "cannot reach" not in out.stdout, out.stdout
+
+
+async def test_a_stalled_replica_is_avoided_alone_and_taken_back_when_it_answers(cluster):
+    """SIGSTOP one of two replicas: its utterance fails at the deadline, the engine stays available,
+    the immediate retry goes to the other one; after SIGCONT it takes new calls again."""
+    with remote(ray={"stall_timeout_s": 2.0, "control_timeout_s": 1.0}) as eng:
         async with played_ring() as (_ring, sink):
             warm = Listener()
             eng.say(None, sink, warm, "Warm up.")
             assert isinstance(await warm.terminal(), Done)
             victim = eng.replicas[warm.events[-1].utterance_id]
             pid = eng.replica_pids[victim]
+            availability: list[bool] = []
+
+            async def watch() -> None:
+                while True:
+                    availability.append(eng.available)
+                    await asyncio.sleep(0.05)
 
             listener = Listener()
             eng.say(None, sink, listener, LONG_TEXT)
             await listener.first_audio()
+            watcher = asyncio.get_running_loop().create_task(watch())
             os.kill(pid, signal.SIGSTOP)  # alive, silent: a stalled replica
             try:
                 event = await listener.terminal()
+                assert isinstance(event, Failed) and event.code == "engine_lost", listener.events
+                assert "stall_timeout_s" in event.message
+                assert_short_and_clean(event.message, pid)
+
+                after = Listener()  # the call's immediate retry, while the victim is still stopped
+                next_uid = eng.say(None, sink, after, "Still here.")
+                assert isinstance(await after.terminal(), Done), after.events
+                assert eng.replicas[next_uid] != victim
+                await asyncio.sleep(1.5)  # health probes run meanwhile (one of them times out)
+                assert affinity.avoided(victim)
             finally:
                 os.kill(pid, signal.SIGCONT)
-            assert isinstance(event, Failed) and event.code == "engine_lost", listener.events
-            assert "stall_timeout_s" in event.message
+                watcher.cancel()
+            assert availability and all(availability), "the whole engine was marked unavailable"
 
-            after = Listener()
-            next_uid = eng.say(None, sink, after, "Still here.")
-            assert isinstance(await after.terminal(), Done), after.events
-            assert eng.replicas[next_uid] != victim
+        for _ in range(100):  # a probe of it succeeds: it is taken back
+            if not affinity.avoided(victim):
+                break
+            await asyncio.sleep(0.1)
+        assert not affinity.avoided(victim)
+        async with played_ring() as (_ring, new_sink):  # a new call goes to the least loaded: the victim
+            fresh = Listener()
+            uid = eng.say(None, new_sink, fresh, "A new call.")
+            assert isinstance(await fresh.terminal(), Done), fresh.events
+            assert eng.replicas[uid] == victim
 
 
-async def test_a_killed_replica_fails_its_utterance_and_the_next_one_moves(cluster):
+def assert_short_and_clean(message: str, pid: int) -> None:
+    """A caller-facing error: one line of at most 200 characters, none of Ray's internals."""
+    assert len(message) <= 200 and "\n" not in message, message
+    assert str(pid) not in message and "pid" not in message.lower(), message
+    assert "127.0.0.1" not in message and "actor" not in message.lower(), message
+
+
+async def test_a_killed_replica_fails_its_utterance_and_the_next_one_moves(cluster, caplog):
+    caplog.set_level(logging.INFO, logger="voicertc.remote.client")
     with remote() as eng:
         async with played_ring() as (_ring, sink):
             warm = Listener()
@@ -356,6 +423,13 @@ async def test_a_killed_replica_fails_its_utterance_and_the_next_one_moves(clust
             await asyncio.to_thread(kill_replica, FAKE_APP, victim)
             event = await listener.terminal()
             assert isinstance(event, Failed) and event.code == "engine_lost", listener.events
+            assert_short_and_clean(event.message, eng.replica_pids[victim])
+            # Ray's account goes to the log, with the utterance and the replica's id (never None)
+            lost = [r.getMessage() for r in caplog.records if "lost its engine replica" in r.getMessage()]
+            assert any(
+                f"utterance {uid} " in m and f"lost its engine replica {victim}:" in m for m in lost
+            ), lost
+            assert any(f"utterance {uid}: Ray's account" in r.getMessage() for r in caplog.records)
 
             after = Listener()
             next_uid = eng.say(None, sink, after, "Still here.")
@@ -387,6 +461,38 @@ async def test_two_cosyvoice2_replicas_share_one_gpu(cluster):
             assert len({eng.replicas[uid] for uid in uids}) == 2
     finally:
         await asyncio.to_thread(serve.delete, "voicertc-cv2-gpu")
+
+
+async def test_voices_are_listed_from_the_replicas_and_registration_says_what_to_do(cluster):
+    """GET /v1/voices and /v1/voices/{id} answer from a replica's voice book (no 500); registering
+    and deleting answer 400 `not_supported`, naming what works instead."""
+    import base64
+
+    from audio_clips import clip
+
+    client = TestClient(TestServer(create_app(front_end(CV2_APP))))
+    await client.start_server()
+    try:
+        engine = client.app[ENGINE]
+        resp = await client.get("/v1/voices")
+        assert resp.status == 200, await resp.text()
+        voices = (await resp.json())["voices"]
+        assert [v["id"] for v in voices] == engine.voices() and voices, voices
+        first = voices[0]
+        resp = await client.get(f"/v1/voices/{first['id']}")
+        assert resp.status == 200, await resp.text()
+        assert await resp.json() == first
+        assert (await client.get("/v1/voices/no-such-voice")).status == 404
+
+        body = {"audio": base64.b64encode(clip(seconds=3.0)).decode(), "transcript": "Hello there."}
+        resp = await client.post("/v1/voices", json=body)
+        assert resp.status == 400, await resp.text()
+        error = (await resp.json())["error"]
+        assert error["code"] == "not_supported" and "voices_dir" in error["message"], error
+        resp = await client.delete(f"/v1/voices/{first['id']}")
+        assert resp.status == 400 and (await resp.json())["error"]["code"] == "not_supported"
+    finally:
+        await client.close()
 
 
 async def test_http_front_end_location_and_503_while_the_engine_is_gone(cluster):
@@ -421,6 +527,15 @@ async def test_http_front_end_location_and_503_while_the_engine_is_gone(cluster)
         assert (await resp.json())["error"]["code"] == "engine_unavailable"
         assert resp.headers["Retry-After"] == "5"
         assert (await client.get(f"/v1/calls/{call_id}")).status == 200  # the call is still up
+        resp = await client.get("/v1/voices")  # the page asks on every load: 503, not 500
+        assert resp.status == 503, await resp.text()
+        assert (await resp.json())["error"]["code"] == "engine_unavailable"
+        assert resp.headers["Retry-After"] == "5"
+        ready = await client.get("/readyz")
+        assert ready.status == 503
+        reason = (await ready.json())["reason"]  # names the app and what to run, not Ray's internals
+        assert FAKE_APP in reason and "voicertc engine-serve" in reason, reason
+        assert "Deployment(name=" not in reason, reason
     finally:
         await peer.close()
         await client.close()

@@ -464,15 +464,21 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     return Config(**built)
 
 
-def load_config(path: str | Path | None = None) -> Config:
-    """Read and validate `config.toml` (or the defaults when `path` is None)."""
-    if path is None:
-        return config_from_dict({})
-    path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config ({exc.strerror})") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML ({exc})") from exc
+def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> Config:
+    """Read and validate `config.toml` (or the defaults when `path` is None). `overrides` (section ->
+    keys, e.g. command-line flags) replace the file's keys BEFORE validation, so flags that only make
+    sense together (`--model cosyvoice2 --model-dir D`) are checked together."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read config ({exc.strerror})") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML ({exc})") from exc
+    for section, values in (overrides or {}).items():
+        current = data.get(section, {})
+        _check(isinstance(current, dict), section, "must be a table")
+        data[section] = {**current, **values}
     return config_from_dict(data)

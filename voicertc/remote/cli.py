@@ -18,6 +18,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from voicertc.config import BACKENDS, Config, load_config
 from voicertc.engine.protocol import Engine
@@ -39,13 +40,19 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     cmd.add_argument(
         "--local", action="store_true", help="start a one-machine Ray cluster on 127.0.0.1 in this process"
     )
+    cmd.add_argument(
+        "--metrics-port",
+        type=int,
+        help="with --local: port of Ray's Prometheus endpoint (ray_voicertc_* metrics; default: Ray picks)",
+    )
 
 
 def engine_serve_config(args: argparse.Namespace) -> Config:
+    """The config file (explicit, or ./config.toml) with the flags merged in, validated once: the
+    flags are checked together (`--model cosyvoice2 --model-dir D`), a bad one named by its key."""
     path = args.config
     if path is None and Path("config.toml").is_file():
         path = "config.toml"
-    config = load_config(path)
     ray = {
         k: v
         for k, v in (
@@ -56,13 +63,13 @@ def engine_serve_config(args: argparse.Namespace) -> Config:
         )
         if v is not None
     }
-    if ray:
-        config = config.replace("ray", **ray)
+    engine: dict[str, Any] = {}
     if args.model is not None:
-        config = config.replace("engine", backend="ray", model=args.model)
+        engine.update(backend="ray", model=args.model)
     if args.model_dir is not None:
-        config = config.replace("engine", model_dir=args.model_dir)
-    return config
+        engine["model_dir"] = args.model_dir
+    overrides = {name: values for name, values in (("ray", ray), ("engine", engine)) if values}
+    return load_config(path, overrides)
 
 
 def run(args: argparse.Namespace, build_engine: Callable[[Config], Engine]) -> int:
@@ -72,9 +79,15 @@ def run(args: argparse.Namespace, build_engine: Callable[[Config], Engine]) -> i
     except VoiceRTCError as exc:
         print(f"voicertc: {exc}", file=sys.stderr)
         return 2
+    if args.metrics_port is not None and not args.local:
+        print(
+            "voicertc: --metrics-port needs --local (on a cluster node: ray start --metrics-export-port N)",
+            file=sys.stderr,
+        )
+        return 2
     logging.basicConfig(level=config.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        deploy(config, build_engine, local=args.local)
+        deploy(config, build_engine, local=args.local, metrics_port=args.metrics_port)
     except VoiceRTCError as exc:
         print(f"voicertc: {exc}", file=sys.stderr)
         return 1
@@ -93,7 +106,12 @@ def run(args: argparse.Namespace, build_engine: Callable[[Config], Engine]) -> i
     return 0
 
 
-def deploy(config: Config, build_engine: Callable[[Config], Engine], local: bool = False) -> None:
+def deploy(
+    config: Config,
+    build_engine: Callable[[Config], Engine],
+    local: bool = False,
+    metrics_port: int | None = None,
+) -> None:
     """Connect (or with `local` start a loopback cluster), start Serve without HTTP proxies, deploy."""
     import ray
     from ray import serve
@@ -105,7 +123,10 @@ def deploy(config: Config, build_engine: Callable[[Config], Engine], local: bool
     if local:
         apply_auth(config.ray)
         not_a_cluster()
-        ray.init(namespace=config.ray.namespace, **loopback_init_options())
+        options = loopback_init_options()
+        if metrics_port is not None:
+            options["_metrics_export_port"] = metrics_port
+        ray.init(namespace=config.ray.namespace, **options)
     else:
         connect_ray(config.ray)
     serve.start(proxy_location="Disabled")  # front-ends call replicas by handle; no HTTP ingress

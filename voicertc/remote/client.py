@@ -46,7 +46,7 @@ from voicertc.engine.protocol import (
     Failed,
     SpeakOptions,
 )
-from voicertc.engine.voice_book import VoiceInfo, builtin_info
+from voicertc.engine.voice_book import VoiceInfo
 from voicertc.errors import EngineUnavailableError, InputError, NotSupportedError, UnknownVoiceError
 from voicertc.remote import affinity
 from voicertc.remote.wire import PROTOCOL, check_versions, pcm_from_message
@@ -61,6 +61,17 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 ENGINE_LOST = "engine_lost"
+MAX_MESSAGE_CHARS = 200  # caller-facing error messages: one short, stable line (details go to the log)
+REGISTER_NOT_SUPPORTED = (
+    'registering voices through a front-end with engine.backend = "ray" is not supported yet: save the '
+    "voice into the replicas' [engine] voices_dir (register it on an in-process server using that "
+    "directory) and redeploy; replicas load the voices there when they start"
+)
+DELETE_NOT_SUPPORTED = (
+    'deleting voices through a front-end with engine.backend = "ray" is not supported yet: remove it from '
+    "the replicas' [engine] voices_dir and redeploy"
+)
+MAX_REASON_CHARS = 300  # /readyz and 503 reasons: may name the app, the address and the command to run
 REPLICAS_KEPT = 10_000  # utterance id -> replica, for operators and tests
 CREDIT_SLACK_MS = 100.0
 DELAYS_KEPT = 100_000  # recent per-chunk hop delays (replica on this machine), for bench.remote_load
@@ -91,6 +102,7 @@ class _Utterance(Delivery):
     credited_ms: float = 0.0
     done: dict[str, Any] | None = None  # the replica's "done", held until pending PCM is written
     finished: bool = False
+    counted_on: str | None = None  # the replica whose load this utterance counts in (until it ends)
     task: asyncio.Task[None] | None = None
     control_task: asyncio.Task[None] | None = None
     gen: Any = None
@@ -237,19 +249,21 @@ class RemoteEngine:
         return _failed(NotSupportedError("engine commands are not supported by the remote engine"))
 
     def list_voices(self) -> Future[list[VoiceInfo]]:
-        """The voices the replicas reported (built-in descriptions)."""
-        done: Future[list[VoiceInfo]] = Future()
-        done.set_result([builtin_info(v) for v in self._voices])
-        return done
+        """The voice book of a replica (the replicas of one app run one config: the same voices);
+        EngineUnavailableError (503) while the app does not answer."""
+        loop = self._loop
+        if loop is None or not self.available:
+            return _failed(EngineUnavailableError(self._unavailable_reason, self.ray.retry_after_s))
+        return asyncio.run_coroutine_threadsafe(self._list_voices(), loop)
 
     def register_voice(
         self, clip: Clip, transcript: str | None, voice_id: str | None, name: str
     ) -> Future[VoiceInfo]:
-        return _failed(NotSupportedError("registering voices is not supported by the remote engine yet"))
+        return _failed(NotSupportedError(REGISTER_NOT_SUPPORTED))
 
     def delete_voice(self, voice_id: str) -> Future[None]:
         if voice_id in self._voices:
-            return _failed(NotSupportedError("deleting voices is not supported by the remote engine yet"))
+            return _failed(NotSupportedError(DELETE_NOT_SUPPORTED))
         return _failed(UnknownVoiceError(f"unknown voice {voice_id!r}"))
 
     @property
@@ -356,32 +370,108 @@ class RemoteEngine:
             raise VersionSkewError(skew)
         return info
 
+    async def _ask(self, method: str, **kwargs: Any) -> Any:
+        """One call to a replica method within `ray.control_timeout_s`. A call that fails or times
+        out is cancelled in Serve too: one routed to a replica that is gone would otherwise wait in
+        the router for it forever."""
+        response = getattr(self._handle, method).remote(**kwargs)
+        try:
+            async with asyncio.timeout(self.ray.control_timeout_s):
+                return await response
+        except BaseException:
+            response.cancel()
+            raise
+
+    async def _list_voices(self) -> list[VoiceInfo]:
+        try:
+            infos: list[VoiceInfo] = await self._ask("voices")
+        except Exception as exc:  # noqa: BLE001 - Ray raises many types; all mean "not answering"
+            reason = self._unavailable_because(exc)
+            logger.warning("remote engine %s: listing voices failed: %s (%r)", self.ray.app_name, reason, exc)
+            raise EngineUnavailableError(reason, self.ray.retry_after_s) from None
+        self._voices = [str(info["id"]) for info in infos]
+        return infos
+
     async def _start_health(self) -> asyncio.Task[None]:
         return asyncio.get_running_loop().create_task(self._health_loop())
 
     async def _health_loop(self) -> None:
+        """Probe every replica (exact routing) each `health_interval_s`: a replica that does not answer
+        is avoided, one that answers again takes new calls again, and their reported loads feed the
+        router. The engine is unavailable only while no replica answers."""
         while True:
             await asyncio.sleep(self.ray.health_interval_s)
-            try:
-                async with asyncio.timeout(self.ray.control_timeout_s):
-                    info = await self._handle.info.remote()
-            except Exception as exc:  # noqa: BLE001 - any failure means unavailable for now
-                reason = str(exc) or type(exc).__name__
-                self._set_available(False, f"the engine app {self.ray.app_name!r} is unavailable: {reason}")
-                continue
-            if skew := check_versions(info, self.client_version, PROTOCOL):
-                self._set_available(False, skew)
-                continue
-            self._voices = list(info.get("voices", self._voices))
-            self._set_available(True)
+            await self._probe_replicas()
 
-    def _set_available(self, available: bool, reason: str = "") -> None:
+    async def _probe_replicas(self) -> None:
+        replicas = affinity.known_replicas(self.ray.app_name)
+        targets: list[str | None] = list(replicas) or [None]  # None: any replica (none known yet)
+        results = await asyncio.gather(*(self._probe(rid) for rid in targets), return_exceptions=True)
+        answers = [r for r in results if isinstance(r, dict)]
+        if not answers:
+            failure = next((r for r in results if isinstance(r, BaseException)), None)
+            if failure is not None:
+                self._set_available(False, self._unavailable_because(failure), detail=failure)
+            return
+        info = answers[0]
+        if skew := check_versions(info, self.client_version, PROTOCOL):
+            self._set_available(False, skew)
+            return
+        self._voices = list(info.get("voices", self._voices))
+        self._set_available(True)
+
+    async def _probe(self, replica: str | None) -> dict[str, Any]:
+        """One replica's info (or any replica's, for None); marks that replica healthy or avoided."""
+        routing = {"replica": replica} if replica is not None else {}
+        try:
+            info: dict[str, Any] = await self._ask("info", front_end=affinity.FRONT_END, **routing)
+        except Exception as exc:
+            if replica is not None and not affinity.avoided(replica):
+                affinity.forget_replica(replica)
+                logger.warning(
+                    "remote engine %s: replica %s missed its health probe, avoided until it answers (%s)",
+                    self.ray.app_name,
+                    replica,
+                    type(exc).__name__,
+                )
+            raise
+        answered = str(info.get("replica", replica or ""))
+        if answered:
+            if affinity.recovered(answered):
+                logger.info(
+                    "remote engine %s: replica %s answers again; it takes new calls",
+                    self.ray.app_name,
+                    answered,
+                )
+            affinity.report_load(answered, int(info.get("others_open", 0)))
+        return info
+
+    def _set_available(self, available: bool, reason: str = "", detail: BaseException | None = None) -> None:
+        """`reason` is what /readyz and a 503 say (one short line); `detail` goes to the log only."""
         if available != self._available:
-            log = logger.info if available else logger.warning
-            log("remote engine %s: %s", self.ray.app_name, "available" if available else reason)
+            if available:
+                logger.info("remote engine %s: available", self.ray.app_name)
+            elif detail is not None:
+                logger.warning(
+                    "remote engine %s: %s (%s: %s)", self.ray.app_name, reason, type(detail).__name__, detail
+                )
+            else:
+                logger.warning("remote engine %s: %s", self.ray.app_name, reason)
         self._available = available
         if reason:
-            self._unavailable_reason = reason
+            self._unavailable_reason = short_message(reason, MAX_REASON_CHARS)
+
+    def _unavailable_because(self, exc: BaseException) -> str:
+        """The caller-facing reason the app does not answer, from Ray's exception (no Ray internals)."""
+        app = self.ray.app_name
+        if isinstance(exc, TimeoutError):
+            return f"the engine app {app!r} did not answer within {self.ray.control_timeout_s:g} s"
+        if _app_missing(exc):
+            return (
+                f"the engine app {app!r} is not deployed on the Ray cluster at {self.ray.address!r}; "
+                f"deploy it: voicertc engine-serve --app-name {app} --detach"
+            )
+        return f"the engine app {app!r} is unavailable ({type(exc).__name__}); details in the log"
 
     async def _shutdown(self) -> None:
         tasks = [t for t in (self._health,) if t is not None]
@@ -448,6 +538,7 @@ class RemoteEngine:
                 max_ahead_ms=self.max_ahead_ms,
                 instruct=utt.options.instruct,
                 speed=utt.options.speed,
+                front_end=affinity.FRONT_END,
             )
             opened = False
             while not utt.finished and utt.done is None:  # after "done", only the ring may hold it up
@@ -457,20 +548,24 @@ class RemoteEngine:
                 done, _ = await asyncio.wait({next_message}, timeout=timeout_s)
                 if not done:
                     if not opened:
-                        self._lost(utt, f"no replica answered within {timeout_s:g} s (ray.open_timeout_s)")
+                        self._lost(
+                            utt, f"no engine replica answered within {timeout_s:g} s (ray.open_timeout_s)"
+                        )
                         return
                     if self._owes_audio(utt):
-                        self._lost(utt, f"the replica sent nothing for {timeout_s:g} s (ray.stall_timeout_s)")
+                        self._lost(
+                            utt, f"the engine replica sent nothing for {timeout_s:g} s (ray.stall_timeout_s)"
+                        )
                         return
                     continue
                 message, next_message = next_message.result(), None
                 opened = self._on_message(utt, message) or opened
         except StopAsyncIteration:
-            self._lost(utt, "the replica ended the stream without a result")
+            self._lost(utt, "the engine replica ended the stream without a result")
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a dead or drained replica: this utterance is lost
-            self._lost(utt, f"{type(exc).__name__}: {exc}")
+            self._lost(utt, "the engine replica was lost (it died or was shut down)", detail=exc)
         finally:
             if next_message is not None:
                 next_message.cancel()
@@ -494,6 +589,9 @@ class RemoteEngine:
             self._flush(utt)
         elif kind == "open":
             utt.replica = str(message[1]["replica"])
+            if utt.counted_on is None:
+                utt.counted_on = utt.replica
+                affinity.utterance_opened(utt.replica)
             self.replica_pids[utt.replica] = int(message[1].get("pid", 0))
             self.replicas[utt.utterance_id] = utt.replica
             while len(self.replicas) > REPLICAS_KEPT:
@@ -510,9 +608,16 @@ class RemoteEngine:
             utt.done = event
             self._flush(utt)
         elif kind == "failed":
-            self._fail(utt, str(event.get("code", "synthesis_error")), str(event.get("message", "")))
+            message = str(event.get("message", ""))
+            if len(message) > MAX_MESSAGE_CHARS:
+                logger.warning(
+                    "utterance %s failed on replica %s: %s", utt.utterance_id, utt.replica, message
+                )
+            self._fail(utt, str(event.get("code", "synthesis_error")), short_message(message))
         else:  # the replica cancelled it on its own: it is stopping (drained or redeployed)
-            self._lost(utt, "the replica stopped (drained or shut down) before this utterance finished")
+            self._lost(
+                utt, "the engine replica stopped (drained or redeployed) before this utterance finished"
+            )
 
     def _owes_audio(self, utt: _Utterance) -> bool:
         """The replica has all the text it will get and credit to send more: silence is a stall."""
@@ -566,10 +671,13 @@ class RemoteEngine:
             if not message or utt.finished:
                 continue
             try:
-                async with asyncio.timeout(self.ray.control_timeout_s):
-                    await self._handle.control.remote(
-                        session=utt.session, replica=utt.replica, utterance_id=utt.utterance_id, **message
-                    )
+                await self._ask(
+                    "control",
+                    session=utt.session,
+                    replica=utt.replica,
+                    utterance_id=utt.utterance_id,
+                    **message,
+                )
             except Exception as exc:  # noqa: BLE001 - the stream notices a lost replica itself
                 logger.warning(
                     "utterance %s: control message to replica %s failed: %s",
@@ -578,14 +686,35 @@ class RemoteEngine:
                     exc,
                 )
 
-    def _lost(self, utt: _Utterance, why: str) -> None:
+    def _lost(self, utt: _Utterance, why: str, detail: BaseException | None = None) -> None:
+        """Fail `utt` with `engine_lost`: the caller gets `why` (one short line, no pids, addresses or
+        actor ids); Ray's own account (`detail`) goes to the log with the utterance and session ids."""
         if utt.finished:
             return
-        if utt.replica is not None:
-            affinity.forget_replica(utt.replica)
+        replica = self._replica_of(utt)
+        if replica is not None:
+            affinity.forget_replica(replica)
         self.stats["engine_lost"] += 1
-        logger.warning("utterance %s lost its engine replica %s: %s", utt.utterance_id, utt.replica, why)
-        self._fail(utt, ENGINE_LOST, f"engine replica lost: {why}")
+        logger.warning(
+            "utterance %s (session %s) lost its engine replica %s: %s",
+            utt.utterance_id,
+            utt.session,
+            replica or "(none chosen yet)",
+            why,
+        )
+        if detail is not None:
+            logger.warning(
+                "utterance %s: Ray's account of the lost replica %s: %s: %s",
+                utt.utterance_id,
+                replica or "(none chosen yet)",
+                type(detail).__name__,
+                detail,
+            )
+        self._fail(utt, ENGINE_LOST, short_message(why))
+
+    def _replica_of(self, utt: _Utterance) -> str | None:
+        """The replica serving `utt`: from its `open` header, else the one the router pinned it to."""
+        return utt.replica or affinity.pinned_replica(utt.session)
 
     def _fail(self, utt: _Utterance, code: str, message: str) -> None:
         self._finish(utt, Failed(utt.utterance_id, code, message))
@@ -595,6 +724,8 @@ class RemoteEngine:
         if utt.finished:
             return
         utt.finished = True
+        if utt.counted_on is not None:
+            affinity.utterance_closed(utt.counted_on)  # ended: it stops counting at once
         self._utts.pop(utt.utterance_id, None)
         with self._lock:
             self._open.discard(utt.utterance_id)
@@ -621,6 +752,22 @@ class RemoteEngine:
             logger.exception("utterance %s: event callback failed", utt.utterance_id)
 
 
+def short_message(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """One line of at most `limit` characters (what a caller sees in an error event or a 503)."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3].rstrip() + "..."
+
+
+def _app_missing(exc: BaseException) -> bool:
+    """Ray says the app or its deployment is gone (deleted, never deployed); its message is terse."""
+    text = str(exc)
+    return (
+        type(exc).__name__ in ("DeploymentUnavailableError",)
+        or "does not exist" in text
+        or (text.startswith("Deployment(name="))
+    )
+
+
 def _retrieve(future: asyncio.Future[Any]) -> None:
     """Read a dropped read's outcome (the stream was cancelled under it), so asyncio does not log it."""
     if not future.cancelled():
@@ -645,13 +792,25 @@ def apply_auth(ray_config: RayConfig) -> None:
 
 def _loopback_cluster(address: str) -> bool:
     """The cluster runs on this machine's 127.0.0.1 (`engine-serve --local`, or "auto" finding one)."""
-    if address == "auto":
-        from ray._private import services
-
-        found = sorted(services.find_gcs_addresses())
-        address = found[0] if len(found) == 1 else ""
+    address = _resolve_auto(address)
     host = address.removeprefix("ray://").rpartition(":")[0] or address
     return host in ("127.0.0.1", "localhost", "[::1]")
+
+
+def _resolve_auto(address: str) -> str:
+    """The address "auto" stands for (RAY_ADDRESS, else the one local cluster, else the last `ray start`
+    cluster); '' when that finds none or several. Other addresses unchanged."""
+    if address != "auto":
+        return address
+    from ray._private import services, utils
+
+    if env := os.environ.get("RAY_ADDRESS"):
+        return env
+    running = sorted(services.find_gcs_addresses())
+    if len(running) == 1:
+        return str(running[0])
+    latest = utils.read_ray_address(None)  # the last `ray start` here (a stale file names a dead one)
+    return str(latest) if latest in running else ""
 
 
 def connect_ray(ray_config: RayConfig) -> bool:
@@ -669,6 +828,8 @@ def connect_ray(ray_config: RayConfig) -> bool:
         from voicertc.remote.loopback import not_a_cluster
 
         not_a_cluster()  # else Ray swaps 127.0.0.1 for this host's outward address and cannot connect
+    if gcs_answer(ray_config.address) == TOKEN_REJECTED:
+        raise EngineUnavailableError(token_rejected_message(ray_config))
     error: list[BaseException] = []
 
     def init() -> None:
@@ -685,6 +846,9 @@ def connect_ray(ray_config: RayConfig) -> bool:
     thread = threading.Thread(target=init, name="voicertc-ray-init", daemon=True)
     thread.start()
     thread.join(ray_config.connect_timeout_s)
+    if thread.is_alive() or error:
+        if gcs_answer(ray_config.address) == TOKEN_REJECTED:  # the token may have changed meanwhile
+            raise EngineUnavailableError(token_rejected_message(ray_config))
     if thread.is_alive():
         raise EngineUnavailableError(
             f"cannot reach the Ray cluster at {ray_config.address!r} within "
@@ -695,6 +859,43 @@ def connect_ray(ray_config: RayConfig) -> bool:
             f"cannot reach the Ray cluster at {ray_config.address!r} (ray.address): {error[0]}"
         ) from error[0]
     return True
+
+
+TOKEN_REJECTED = "token_rejected"
+
+
+def token_rejected_message(ray_config: RayConfig) -> str:
+    where = ray_config.auth_token_path or "RAY_AUTH_TOKEN / ~/.ray/auth_token"
+    return (
+        f"the Ray cluster at {ray_config.address!r} answered but token rejected: this front-end's token "
+        f"({where}; ray.auth_token_path) is not the cluster's; copy the head node's token file"
+    )
+
+
+def gcs_answer(address: str, timeout_s: float = 3.0) -> str:
+    """Ask the cluster's GCS for its id with this process's token: "ok", `TOKEN_REJECTED`,
+    "unreachable", or "unknown" (a `ray://` client address, or no single local cluster for "auto")."""
+    import grpc  # type: ignore[import-untyped]
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    address = _resolve_auto(address)
+    if address.startswith("ray://") or ":" not in address:
+        return "unknown"
+    channel = init_grpc_channel(address)
+    try:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s)  # type: ignore[attr-defined]
+        return "ok"
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+            return TOKEN_REJECTED
+        return "unreachable"
+    except Exception:  # noqa: BLE001 - a probe only: the connect that follows reports the problem
+        logger.debug("GCS probe of %s failed", address, exc_info=True)
+        return "unknown"
+    finally:
+        channel.close()
 
 
 def _failed(exc: BaseException) -> Future[Any]:

@@ -33,6 +33,7 @@ from voicertc import __version__
 from voicertc.config import Config, config_from_dict
 from voicertc.engine.protocol import Cancelled, Done, Engine, EngineEvent, Failed, FirstAudio, SpeakOptions
 from voicertc.errors import VoiceRTCError
+from voicertc.remote.loopback import bind_replica_servers_to_the_node_address
 from voicertc.remote.wire import DEPLOYMENT_NAME, PROTOCOL, ROUTER_CLASS, Message, pcm_message
 
 logger = logging.getLogger(__name__)
@@ -132,18 +133,22 @@ class EngineReplica:
     """One replica: the configured engine, started in the constructor (model load), plus its streams."""
 
     def __init__(self, config_data: dict[str, Any], build_engine: Callable[[Config], Engine]) -> None:
+        bind_replica_servers_to_the_node_address()  # before Serve starts this replica's gRPC server
         self.config: Config = config_from_dict(config_data)
         self.engine = build_engine(self.config)
         self.engine.start()
         self.replica_id = _replica_id()
         self.model = self.config.engine.model_name
         self._sinks: dict[str, StreamSink] = {}
+        self._owners: dict[str, str] = {}  # open utterance id -> the front-end that opened it
         self._reports: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._metrics = _ReplicaMetrics()
         logger.info("engine replica %s ready (model %s)", self.replica_id, self.model)
 
-    async def info(self, **_routing: Any) -> dict[str, Any]:
-        """What the front-end checks at connect (versions, voices) and health probes."""
+    async def info(self, front_end: str = "", **_routing: Any) -> dict[str, Any]:
+        """What the front-end checks at connect (versions, voices) and health probes; `others_open`
+        is the utterances open here for front-ends other than `front_end` (the router's load)."""
+        others = sum(1 for owner in self._owners.values() if owner != front_end)
         return {
             "version": __version__,
             "protocol": PROTOCOL,
@@ -151,8 +156,13 @@ class EngineReplica:
             "voices": self.engine.voices(),
             "replica": self.replica_id,
             "open_utterances": len(self._sinks),
+            "others_open": others,
             "features": sorted(f for f in ("instruct", "speed") if self._supports(f)),
         }
+
+    async def voices(self, **_routing: Any) -> list[dict[str, Any]]:
+        """This replica's voice book (built-in and stored voices, with what is known about them)."""
+        return [dict(info) for info in await asyncio.wrap_future(self.engine.list_voices())]
 
     def _supports(self, feature: str) -> bool:
         return self.engine.supports(feature)
@@ -168,6 +178,7 @@ class EngineReplica:
         max_ahead_ms: float = 2000.0,
         instruct: str = "",
         speed: float = 1.0,
+        front_end: str = "",
     ) -> AsyncIterator[Message]:
         """One utterance: `open`, PCM pieces as they are made (within credit), one terminal event."""
         sink = StreamSink(asyncio.get_running_loop(), max_ahead_ms)
@@ -181,6 +192,7 @@ class EngineReplica:
             yield ("event", {"type": "failed", "code": exc.code, "message": str(exc)})
             return
         self._sinks[utterance_id] = sink
+        self._owners[utterance_id] = front_end
         self._metrics.opened(len(self._sinks))
         logger.debug(
             "utterance %s of session %s opened on replica %s", utterance_id, session, self.replica_id
@@ -212,6 +224,7 @@ class EngineReplica:
         finally:
             sink.close()
             self._sinks.pop(utterance_id, None)
+            self._owners.pop(utterance_id, None)
             self._metrics.closed(len(self._sinks))
             if not finished:
                 self.engine.cancel(utterance_id)  # the front-end cancelled or went away: free it now

@@ -18,7 +18,7 @@ import numpy as np
 
 from voicertc import __version__
 
-PROTOCOL = 2  # bumped when the messages below change shape
+PROTOCOL = 3  # bumped when the messages below (or the replica's methods) change shape
 DEPLOYMENT_NAME = "VoiceEngine"
 ROUTER_CLASS = "voicertc.remote.router:SessionAffinityRouter"
 

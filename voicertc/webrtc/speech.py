@@ -325,6 +325,7 @@ class SpeechQueue:
     def fail(self, handle: SpeechHandle, code: str, message: str) -> None:
         if handle.finished:
             return
+        logger.info("call %s utterance %s failed: %s: %s", self.call_id, handle.utterance_id, code, message)
         self.engine.cancel(handle.utterance_id)
         self._finish(
             handle, {"type": "error", "utterance_id": handle.utterance_id, "code": code, "message": message}

@@ -77,7 +77,7 @@ if [ "$DEV" = cpu ]; then
     LOAD=(--device cpu --dtype float32 --max-tokens 40 --timeout-s 300)
     LEVELS_SMALL=(1 2) LEVELS_LARGE=(3)
     PEER_FP32=(--device cpu --dtype float32 --tokens 100 --runs 2)
-    PEER_HALF=(--device cpu --dtype bfloat16 --tokens 30 --runs 1 --no-official-floor)
+    PEER_HALF=(--device cpu --dtype bfloat16 --tokens 30 --runs 1 --no-official-floor --cuda-graphs)
     # seconds each step may take at most (the global deadline cuts them shorter)
     T_DIR=300 T_TEST=300 T_STREAM=300 T_LOAD=400 T_PEER32=600 T_PEER16=600 T_LOAD_LARGE=400
 else
@@ -88,7 +88,7 @@ else
     LOAD=(--device cuda --dtype bfloat16 --cuda-graphs --max-tokens 250 --timeout-s 100)
     LEVELS_SMALL=(1 8 16) LEVELS_LARGE=(32 64)
     PEER_FP32=(--device cuda --dtype float32 --tokens 250 750 --runs 2)
-    PEER_HALF=(--device cuda --dtype bfloat16 --tokens 250 750 --runs 2 --no-official-floor)
+    PEER_HALF=(--device cuda --dtype bfloat16 --tokens 250 750 --runs 2 --no-official-floor --cuda-graphs)
     T_DIR=60 T_TEST=90 T_STREAM=75 T_LOAD=110 T_PEER32=130 T_PEER16=90 T_LOAD_LARGE=240
 fi
 

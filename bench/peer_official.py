@@ -307,6 +307,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--official-floor", action=argparse.BooleanOptionalAction, default=True,
         help="a second official process (1 run) for the official run-to-run mel floor")  # fmt: skip
     add("--official-timeout-s", type=float, default=3600.0)
+    add("--cuda-graphs", action="store_true",
+        help="ours: flow and HiFT as captured static-shape steps ([engine] cuda_graphs)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.version == 3:
         parser.error("--version 3 is not supported yet (the peer tree holds the CosyVoice2 loop only)")
@@ -329,6 +331,12 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     model = load_v2(args.model_dir, args.device, DTYPES[args.dtype], check_frontend=False)
+    if args.cuda_graphs:  # the path `[engine] cuda_graphs = true` serves (one utterance: rows 2)
+        from voicertc.backends.cosyvoice.accel.captured import cuda_capture, run_eagerly
+        from voicertc.backends.cosyvoice.serve.captured_stages import install_captured_steps
+
+        capture = cuda_capture if model.device.type == "cuda" else run_eagerly
+        install_captured_steps(model, 1, 0.0, capture)
     inputs_path = make_inputs(args.peer, args.out, model.flow.cfg.vocab_size, max(args.tokens))
     inputs = torch.load(inputs_path)
     schedule = ChunkSchedule(final_chunk=args.final_chunk)

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from flow_stream_helpers import stream_golden, two_utterances
 
 from voicertc.backends.cosyvoice.accel.flow_onnx_export import example_inputs
 from voicertc.backends.cosyvoice.flow.captured import Buckets, CapturedEstimator, StepShape
-from voicertc.backends.cosyvoice.flow.flow import CausalFlow, FlowStreamState
+from voicertc.backends.cosyvoice.flow.flow import CausalFlow
 from voicertc.backends.cosyvoice.flow.graph import StreamingEstimator
 
 TOL = 1e-5
-LOOKAHEAD, GRID = 3, 25
 
 
 def test_bucket_choice_is_pure_and_pads_rows_and_keys_up():
@@ -47,41 +47,10 @@ class CountingCapture:
         return replay
 
 
-def _voice(flow: CausalFlow, tts_golden) -> FlowStreamState:
-    return flow.init_stream(
-        tts_golden["in_prompt_token"], tts_golden["in_prompt_feat"], tts_golden["in_embedding"]
-    )
 
 
-def _stream(flow: CausalFlow, tts_golden, hops: list[int]) -> torch.Tensor:
-    tokens, state = tts_golden["in_token"], _voice(flow, tts_golden).clone()
-    offset, mels = 0, []
-    pad = -tts_golden["in_prompt_token"].shape[1] % GRID
-    for index, hop in enumerate(hops):
-        hop += pad if index == 0 else 0
-        if offset + hop + LOOKAHEAD > tokens.shape[1]:
-            break
-        mels.append(flow.stream_step(tokens[:, offset : offset + hop + LOOKAHEAD], state, finalize=False))
-        offset += hop
-    mels.append(flow.stream_step(tokens[:, offset:], state, finalize=True))
-    return torch.cat(mels, dim=2)
 
 
-def _two_utterances(flow: CausalFlow, tts_golden) -> list[torch.Tensor]:
-    """A starts a chunk earlier; then A's second and B's first chunk run as one 4-row batch."""
-    tokens, voice = tts_golden["in_token"], _voice(flow, tts_golden)
-    pad = -tts_golden["in_prompt_token"].shape[1] % GRID
-    first = pad + 25
-    a, b = voice.clone(), voice.clone()
-    out_a = [flow.stream_step(tokens[:, : first + LOOKAHEAD], a, finalize=False)]
-    same = b.pending_prompt.shape[1] + first
-    a_next = tokens[:, first : first + same + LOOKAHEAD]
-    b_first = tokens[:, 5 : 5 + first + LOOKAHEAD]
-    mels = flow.stream_step_batch([a_next, b_first], [a, b], finalize=False)
-    out_a.append(mels[0])
-    tails = [tokens[:, first + same : first + same + 20], tokens[:, 5 + first : 25 + first]]
-    final = flow.stream_step_batch(tails, [a, b], finalize=True)
-    return [torch.cat([*out_a, final[0]], dim=2), torch.cat([mels[1], final[1]], dim=2)]
 
 
 def _with_runner(flow: CausalFlow, runner, run):
@@ -98,7 +67,7 @@ HOPS = [25, 50]  # + the final chunk: three chunk lengths, a growing history
 @pytest.fixture(scope="module")
 def eager_stream(flow, tts_golden):
     flow.decoder.estimator_runner = None
-    return _stream(flow, tts_golden, HOPS)
+    return stream_golden(flow, tts_golden, HOPS)
 
 
 def test_a_streamed_utterance_through_static_steps_equals_the_eager_one(flow, tts_golden, eager_stream):
@@ -108,7 +77,7 @@ def test_a_streamed_utterance_through_static_steps_equals_the_eager_one(flow, tt
         buckets=Buckets(max_rows=8, key_quantum=64),
         capture=capture,
     )
-    got = _with_runner(flow, runner, lambda: _stream(flow, tts_golden, HOPS))
+    got = _with_runner(flow, runner, lambda: stream_golden(flow, tts_golden, HOPS))
     assert got.shape == eager_stream.shape and eager_stream.shape[2] > 150
     assert (got - eager_stream).abs().max().item() <= TOL
     steps = runner.stats.replays + runner.stats.eager
@@ -119,9 +88,9 @@ def test_a_streamed_utterance_through_static_steps_equals_the_eager_one(flow, tt
 
 def test_pad_rows_and_utterances_at_different_positions_equal_eager(flow, tts_golden):
     flow.decoder.estimator_runner = None
-    eager = _two_utterances(flow, tts_golden)
+    eager = two_utterances(flow, tts_golden)
     runner = CapturedEstimator(StreamingEstimator(flow.decoder.estimator), buckets=Buckets(max_rows=8))
-    got = _with_runner(flow, runner, lambda: _two_utterances(flow, tts_golden))
+    got = _with_runner(flow, runner, lambda: two_utterances(flow, tts_golden))
     for e, g in zip(eager, got, strict=True):
         assert (g - e).abs().max().item() <= TOL
     assert any(key[0] == 4 for key in runner.stats.by_shape)  # the two-utterance batch

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from flow_stream_helpers import stream_golden, two_utterances
 
 from voicertc.backends.cosyvoice.accel.hift_ort import OnnxHift
 from voicertc.backends.cosyvoice.accel.onnx_export import ESTIMATOR_FILE, load_hift
-from voicertc.backends.cosyvoice.flow.flow import CausalFlow, FlowStreamState
 from voicertc.backends.cosyvoice.flow.graph import GraphLayout, OnnxRuntimeEstimator
 from voicertc.backends.cosyvoice.hift.stream import hift_stream_step, init_hift_stream_state
 
 TOL = 1e-4
-LOOKAHEAD, GRID = 3, 25
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -36,62 +35,31 @@ def runner(flow, onnx_dir):
     return OnnxRuntimeEstimator(onnx_dir / ESTIMATOR_FILE, GraphLayout.of(flow.decoder.estimator), threads=2)
 
 
-def _voice(flow: CausalFlow, tts_golden) -> FlowStreamState:
-    return flow.init_stream(
-        tts_golden["in_prompt_token"], tts_golden["in_prompt_feat"], tts_golden["in_embedding"]
-    )
 
 
-def _stream(flow: CausalFlow, tts_golden, hops: list[int]) -> torch.Tensor:
-    tokens, state = tts_golden["in_token"], _voice(flow, tts_golden).clone()
-    offset, mels = 0, []
-    pad = -tts_golden["in_prompt_token"].shape[1] % GRID
-    for index, hop in enumerate(hops):
-        hop += pad if index == 0 else 0
-        if offset + hop + LOOKAHEAD > tokens.shape[1]:
-            break
-        mels.append(flow.stream_step(tokens[:, offset : offset + hop + LOOKAHEAD], state, finalize=False))
-        offset += hop
-    mels.append(flow.stream_step(tokens[:, offset:], state, finalize=True))
-    return torch.cat(mels, dim=2)
 
 
 def test_onnx_estimator_reproduces_a_streamed_utterance(flow, runner, tts_golden):
     hops = [25, 50, 100, 100]
     flow.decoder.estimator_runner = None
-    eager = _stream(flow, tts_golden, hops)
+    eager = stream_golden(flow, tts_golden, hops)
     flow.decoder.estimator_runner = runner
     try:
-        got = _stream(flow, tts_golden, hops)
+        got = stream_golden(flow, tts_golden, hops)
     finally:
         flow.decoder.estimator_runner = None
     assert got.shape == eager.shape and eager.shape[2] > 300
     assert (got - eager).abs().max().item() <= TOL
 
 
-def _two_utterances(flow: CausalFlow, tts_golden) -> list[torch.Tensor]:
-    """A starts a chunk earlier; then A's second and B's first chunk run as one 4-row batch."""
-    tokens, voice = tts_golden["in_token"], _voice(flow, tts_golden)
-    pad = -tts_golden["in_prompt_token"].shape[1] % GRID
-    first = pad + 25
-    a, b = voice.clone(), voice.clone()
-    out_a = [flow.stream_step(tokens[:, : first + LOOKAHEAD], a, finalize=False)]
-    same = b.pending_prompt.shape[1] + first  # tokens each advances in the shared call
-    a_next = tokens[:, first : first + same + LOOKAHEAD]
-    b_first = tokens[:, 5 : 5 + first + LOOKAHEAD]
-    mels = flow.stream_step_batch([a_next, b_first], [a, b], finalize=False)
-    out_a.append(mels[0])
-    tails = [tokens[:, first + same : first + same + 20], tokens[:, 5 + first : 25 + first]]
-    final = flow.stream_step_batch(tails, [a, b], finalize=True)
-    return [torch.cat([*out_a, final[0]], dim=2), torch.cat([mels[1], final[1]], dim=2)]
 
 
 def test_onnx_estimator_batches_utterances_at_different_positions(flow, runner, tts_golden):
     flow.decoder.estimator_runner = None
-    eager = _two_utterances(flow, tts_golden)
+    eager = two_utterances(flow, tts_golden)
     flow.decoder.estimator_runner = runner
     try:
-        got = _two_utterances(flow, tts_golden)
+        got = two_utterances(flow, tts_golden)
     finally:
         flow.decoder.estimator_runner = None
     for e, g in zip(eager, got, strict=True):

@@ -332,10 +332,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     model = load_v2(args.model_dir, args.device, DTYPES[args.dtype], check_frontend=False)
     if args.cuda_graphs:  # the path `[engine] cuda_graphs = true` serves (one utterance: rows 2)
-        from voicertc.backends.cosyvoice.accel.captured import cuda_capture, run_eagerly
+        from voicertc.backends.cosyvoice.accel.captured import CudaCapture, run_eagerly
         from voicertc.backends.cosyvoice.serve.captured_stages import install_captured_steps
 
-        capture = cuda_capture if model.device.type == "cuda" else run_eagerly
+        capture = CudaCapture() if model.device.type == "cuda" else run_eagerly
         install_captured_steps(model, 1, 0.0, capture)
     inputs_path = make_inputs(args.peer, args.out, model.flow.cfg.vocab_size, max(args.tokens))
     inputs = torch.load(inputs_path)

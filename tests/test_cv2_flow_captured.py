@@ -17,12 +17,14 @@ from voicertc.backends.cosyvoice.flow.graph import StreamingEstimator
 TOL = 1e-5
 
 
-def test_bucket_choice_is_pure_and_pads_rows_and_keys_up():
-    buckets = Buckets(max_rows=16, key_quantum=64, max_keys=512)
-    assert buckets.shape(2, 50, 0) == StepShape(rows=2, frames=50, keys=64)
-    assert buckets.shape(3, 50, 65) == StepShape(rows=4, frames=50, keys=128)
-    assert buckets.shape(6, 100, 128) == StepShape(rows=8, frames=100, keys=128)
-    assert buckets.shape(16, 37, 512) == StepShape(rows=16, frames=37, keys=512)
+def test_bucket_choice_is_pure_and_pads_rows_frames_and_keys_up():
+    buckets = Buckets(max_rows=16, key_quantum=64, max_keys=512, frame_buckets=(64, 128, 256))
+    assert buckets.shape(2, 50, 0) == StepShape(rows=2, frames=64, keys=64)
+    assert buckets.shape(3, 65, 65) == StepShape(rows=4, frames=128, keys=128)
+    assert buckets.shape(6, 100, 129) == StepShape(rows=8, frames=128, keys=256)
+    assert buckets.shape(16, 37, 512) == StepShape(rows=16, frames=64, keys=512)
+    assert buckets.shape(2, 257, 300) == StepShape(rows=2, frames=512, keys=512)  # multiples of the last
+    assert buckets.keys_list(1000) == [64, 128, 256, 512] and buckets.keys_list(100) == [64]
     assert buckets.shape(17, 50, 10) is None  # more rows than the largest bucket
     assert buckets.shape(2, 50, 513) is None  # a history past the largest key bucket
     assert buckets.rows_list() == [2, 4, 8, 16]
@@ -45,12 +47,6 @@ class CountingCapture:
             return step()
 
         return replay
-
-
-
-
-
-
 
 
 def _with_runner(flow: CausalFlow, runner, run):
@@ -83,7 +79,10 @@ def test_a_streamed_utterance_through_static_steps_equals_the_eager_one(flow, tt
     steps = runner.stats.replays + runner.stats.eager
     assert runner.stats.replays > 0 and capture.replays == runner.stats.replays
     assert capture.captured == len(runner.stats.by_shape) < steps  # a bucket is captured once, replayed often
-    assert all(key[0] == 2 and key[7][3] % 64 == 0 for key in runner.stats.by_shape)  # rows; kv keys
+    assert all(
+        key[0] == 2 and key[7][3] in (64, 128, 256, 512) for key in runner.stats.by_shape
+    )  # rows; kv keys
+    assert all(key[1][1] in (64, 128, 256) for key in runner.stats.by_shape)  # padded chunk frames
 
 
 def test_pad_rows_and_utterances_at_different_positions_equal_eager(flow, tts_golden):

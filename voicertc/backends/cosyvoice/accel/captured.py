@@ -9,8 +9,12 @@ cut back to the call's rows. A bucket is made on first use (`capture`), within a
 by every captured stage (`GraphBudget`, `[engine] graph_memory_mb`); a call that fits no bucket, or whose
 bucket would pass the budget, is refused (`run` returns None) and the caller runs it eagerly, counted.
 
-`capture` turns a step on static buffers into its replay: `cuda_capture` on CUDA; `run_eagerly` (the
-same static step, not captured) on CPU, where the tests prove static == eager.
+`capture` turns a step on static buffers into its replay: a `CudaCapture` on CUDA (every bucket's graph
+in one private memory pool: replays are sequential on the engine thread and each call's outputs are
+cloned before the next replay, so the graphs' intermediates may share memory); `run_eagerly` (the same
+static step, not captured) on CPU, where the tests prove static == eager. A step that fails to capture
+(an op that syncs with the host, say) turns its stage eager for good, logged once and counted: the
+engine keeps speaking.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -35,24 +40,31 @@ def run_eagerly(step: Step) -> Step:
     return step
 
 
-def cuda_capture(step: Step) -> Step:
-    """Capture `step` (which reads and writes only static buffers) as a CUDA graph; the replay returns
-    the captured outputs (static tensors, overwritten by the next replay)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # warm-up: lazy inits and allocator growth happen outside the capture
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = step()
+class CudaCapture:
+    """Captures steps (which read and write only static buffers) as CUDA graphs sharing one memory pool;
+    a replay returns the captured outputs (static tensors, overwritten by the next replay)."""
 
-    def replay() -> Outputs:
-        graph.replay()
-        return outputs
+    def __init__(self) -> None:
+        self.pool: Any = None  # torch's graph pool handle (made on the first capture)
 
-    return replay
+    def __call__(self, step: Step) -> Step:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up: lazy inits and allocator growth happen outside the capture
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = step()
+
+        def replay() -> Outputs:
+            graph.replay()
+            return outputs
+
+        return replay
 
 
 def row_bucket(rows: int, max_rows: int, smallest: int = 1) -> int | None:
@@ -88,6 +100,7 @@ class StageStats:
     eager: int = 0  # calls outside every bucket (or past the budget): run with their exact shapes
     captures: int = 0
     capture_s: float = 0.0
+    failed: str | None = None  # why a capture failed (the stage runs eagerly since)
     bytes: int = 0
     by_shape: dict[Hashable, int] = field(default_factory=dict)
 
@@ -110,7 +123,7 @@ class StaticSteps:
         *,
         capture: Capture = run_eagerly,
         budget: GraphBudget | None = None,
-        pool_factor: float = 2.0,
+        pool_factor: float = 1.25,
     ) -> None:
         self.name = name
         self.fn = fn
@@ -118,12 +131,18 @@ class StaticSteps:
         self.out_row_dims = tuple(out_row_dims)
         self.capture = capture
         self.budget = budget or GraphBudget(limit_bytes=2**31)
-        self.pool_factor = pool_factor  # the graph's private pool: about its static inputs' size again
+        self.pool_factor = pool_factor  # static inputs + a share of the stage's one graph pool
         self.stats = StageStats()
         self._buckets: dict[Hashable, _Bucket] = {}
+        # static inputs by (position, shape, dtype): buckets that differ in one input share the others
+        # (inputs are copied in right before each replay, and replays are sequential)
+        self._buffers: dict[tuple[int, tuple[int, ...], torch.dtype], Tensor] = {}
 
     def run(self, padded_rows: int, inputs: Sequence[Tensor]) -> Outputs | None:
         """The step's outputs for `inputs` (their real rows), or None: not captured (run it eagerly)."""
+        if self.stats.failed is not None:
+            self.stats.eager += 1
+            return None
         rows = inputs[0].shape[self.in_row_dims[0]]
         key = (padded_rows, *(_shape_without(x, d) for x, d in zip(inputs, self.in_row_dims, strict=True)))
         bucket = self._buckets.get(key) or self._make(key, padded_rows, inputs)
@@ -142,16 +161,30 @@ class StaticSteps:
         )
 
     def _make(self, key: Hashable, padded_rows: int, like: Sequence[Tensor]) -> _Bucket | None:
-        static = []
-        for value, dim in zip(like, self.in_row_dims, strict=True):
+        static, new = [], []
+        for i, (value, dim) in enumerate(zip(like, self.in_row_dims, strict=True)):
             shape = list(value.shape)
             shape[dim] = padded_rows
-            static.append(value.new_zeros(shape))
-        size = int(self.pool_factor * sum(t.numel() * t.element_size() for t in static))
+            buffer_key = (i, tuple(shape), value.dtype)
+            buffer = self._buffers.get(buffer_key)
+            if buffer is None:
+                buffer = value.new_zeros(shape)
+                new.append((buffer_key, buffer))
+            static.append(buffer)
+        size = int(self.pool_factor * sum(t.numel() * t.element_size() for _, t in new))
         if not self.budget.take(size):
             return None
+        self._buffers.update(new)
         started = time.perf_counter()
-        replay = self.capture(lambda: self.fn(*static))
+        try:
+            replay = self.capture(lambda: self.fn(*static))
+        except Exception as exc:  # noqa: BLE001 - an uncapturable step: eager from now on, said once
+            self.budget.used_bytes -= size
+            self.stats.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            logger.warning(
+                "%s: capture failed for %s (%s); this stage runs eagerly", self.name, key, self.stats.failed
+            )
+            return None
         seconds = time.perf_counter() - started
         self.stats.captures += 1
         self.stats.capture_s += seconds

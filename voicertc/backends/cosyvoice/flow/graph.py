@@ -79,14 +79,22 @@ class GraphLayout:
 
 
 def attention_bias(
-    starts: list[int], rows: int, frames: int, padded: int, chunk: int | None, dtype: torch.dtype
+    starts: list[int],
+    rows: int,
+    frames: int,
+    padded: int,
+    chunk: int | None,
+    dtype: torch.dtype,
+    real_frames: int | None = None,
 ) -> Tensor:
     """[B, 1, T, padded + T]: group g's first `starts[g]` cached keys are real, the rest padding;
-    query i (absolute starts[g] + i) sees key at absolute j iff j < (abs_i // chunk + 1) * chunk."""
+    query i (absolute starts[g] + i) sees key at absolute j iff j < (abs_i // chunk + 1) * chunk. With
+    `real_frames`, the new frames past it are padding too (a static-shape step's padded chunk)."""
+    new_real = frames if real_frames is None else real_frames
     biases = []
     for start in starts:
         key_abs = torch.cat([torch.arange(padded), start + torch.arange(frames)])
-        real = torch.cat([torch.arange(padded) < start, torch.ones(frames, dtype=torch.bool)])
+        real = torch.cat([torch.arange(padded) < start, torch.arange(frames) < new_real])
         visible = real[None, :].expand(frames, -1)
         if chunk is not None:
             query_abs = start + torch.arange(frames)
@@ -117,9 +125,11 @@ def pack_caches(
     chunk_masks: bool,
     like: Tensor,
     keys: int = 1,
+    real_frames: int | None = None,
+    bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(conv_cache, kv_cache, attn_bias) for the row groups `caches` (each `rows` rows); the cached keys
-    are padded to `keys` at least (hidden by the bias)."""
+    are padded to `keys` at least (hidden by the bias), and the new frames past `real_frames` too."""
     batch = rows * len(caches)
     conv = like.new_zeros(batch, layout.conv_channels, layout.conv_width)
     for g, cache in enumerate(caches):
@@ -137,8 +147,9 @@ def pack_caches(
                 n = got[0].shape[2]
                 kv[slot, 0, g * rows : (g + 1) * rows, :, :n] = got[0]
                 kv[slot, 1, g * rows : (g + 1) * rows, :, :n] = got[1]
-    chunk = layout.chunk_frames if chunk_masks else None
-    bias = attention_bias(starts, rows, frames, padded, chunk, like.dtype).to(like.device)
+    if bias is None:  # (a caller may pass the bias it made for the same call: every Euler step shares it)
+        chunk = layout.chunk_frames if chunk_masks else None
+        bias = attention_bias(starts, rows, frames, padded, chunk, like.dtype, real_frames).to(like.device)
     return conv, kv, bias
 
 
@@ -159,16 +170,28 @@ def unpack_caches(
 class _GraphBatch:
     """What the estimator's convs and attentions ask of a batch, answered from graph inputs."""
 
-    def __init__(self, layout: GraphLayout, conv_cache: Tensor, kv_cache: Tensor, attn_bias: Tensor) -> None:
+    def __init__(
+        self,
+        layout: GraphLayout,
+        conv_cache: Tensor,
+        kv_cache: Tensor,
+        attn_bias: Tensor,
+        tail_index: Tensor | None = None,
+    ) -> None:
         self.layout = layout
         self.conv_cache, self.kv_cache, self.attn_bias = conv_cache, kv_cache, attn_bias
+        self.tail_index = tail_index  # [B, width]: where each row's real frames end (padded chunks)
         self.new_tails: dict[int, Tensor] = {}
         self.new_kv: dict[int, tuple[Tensor, Tensor]] = {}
 
     def conv_context(self, slot: int, x: Tensor, width: int) -> Tensor:
         offset, channels = self.layout.conv_slots[slot]
         padded = torch.cat([self.conv_cache[:, offset : offset + channels, -width:], x], dim=2)
-        self.new_tails[slot] = padded[:, :, -width:]
+        if self.tail_index is None:
+            self.new_tails[slot] = padded[:, :, -width:]
+        else:  # the last `width` real frames: index [width + real - width, width + real) of `padded`
+            index = self.tail_index[:, None, :].expand(-1, padded.shape[1], -1)
+            self.new_tails[slot] = padded.gather(2, index)
         return padded
 
     def attend(self, slot: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -198,8 +221,11 @@ class StreamingEstimator(nn.Module):
         conv_cache: Tensor,
         kv_cache: Tensor,
         attn_bias: Tensor,
+        tail_index: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        batch = _GraphBatch(self.layout, conv_cache, kv_cache, attn_bias)
+        """`tail_index` [B, width] (static-shape steps only): the chunk's frames are padded, row b's real
+        ones end at `tail_index[b, -1] + 1 - width`; the new conv tails are taken there."""
+        batch = _GraphBatch(self.layout, conv_cache, kv_cache, attn_bias, tail_index)
         velocity = self.estimator.forward_batch(x, mu, t, spks, cond, batch)
         conv_out = torch.cat([batch.new_tails[s] for s in range(len(self.layout.conv_slots))], dim=1)
         kv_new = torch.stack(

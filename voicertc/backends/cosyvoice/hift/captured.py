@@ -3,7 +3,9 @@
 Runs on the engine thread. `HiFTGenerator.decode(mel, source)` (mel + excitation -> waveform) is the
 launch-bound part of a vocoder chunk; its rows are independent (per-row convolutions, STFT and ISTFT),
 so rows are padded with zeros up to a power-of-two bucket exactly, and the frames (cache + new, equal in
-a batch already) are a bucket's own. The excitation (f0 -> phase -> sine/noise) stays eager: each
+a batch already) are a bucket's own. The STFT pair is `hift.conv_stft.ConvStft` (torch.istft checks its
+window envelope on the host, which a capture forbids), also for the eager fallback, so every call of the
+stage computes the same transform. The excitation (f0 -> phase -> sine/noise) stays eager: each
 utterance draws it from its own generator, so it stays reproducible per utterance. A call past
 `max_rows` or the memory budget runs eagerly, counted.
 """
@@ -21,6 +23,7 @@ from voicertc.backends.cosyvoice.accel.captured import (
     row_bucket,
     run_eagerly,
 )
+from voicertc.backends.cosyvoice.hift.conv_stft import ConvStft
 from voicertc.backends.cosyvoice.hift.generator import HiFTGenerator
 
 
@@ -37,14 +40,33 @@ class CapturedHiftDecode:
     ) -> None:
         self.hift = hift
         self.max_rows = max_rows
+        c = hift.config
+        self.transform = ConvStft(c.istft_n_fft, c.istft_hop, hift.stft_window)  # the window's device, dtype
         self.steps = StaticSteps(
-            "hift decode", lambda mel, source: (hift.decode_eager(mel, source),), (0, 0), (0,),
-            capture=capture, budget=budget,
+            "hift decode", self._decode, (0, 0), (0,), capture=capture, budget=budget
         )  # fmt: skip
+
+    def _decode(self, mel: Tensor, source: Tensor) -> tuple[Tensor]:
+        return (self.hift.decode_eager(mel, source, self.transform),)
 
     @property
     def stats(self) -> StageStats:
         return self.steps.stats
+
+    @torch.inference_mode()
+    def warm(self, rows: list[int], frames: list[int], like: Tensor) -> int:
+        """Capture the (rows, mel frames) buckets given now (start-up); how many were captured."""
+        before = self.steps.stats.captures
+        samples = self.hift.config.samples_per_frame
+        for r in rows:
+            for f in frames:
+                padded = row_bucket(r, self.max_rows)
+                if padded != r:
+                    continue
+                self.steps.run(r, [like.new_zeros(r, 80, f), like.new_zeros(r, 1, f * samples)])
+                if self.steps.stats.failed is not None:
+                    break
+        return self.steps.stats.captures - before
 
     @torch.inference_mode()
     def __call__(self, mel: Tensor, source: Tensor) -> Tensor:
@@ -56,4 +78,4 @@ class CapturedHiftDecode:
                 return outputs[0]
         else:
             self.steps.stats.eager += 1
-        return self.hift.decode_eager(mel, source)
+        return self.hift.decode_eager(mel, source, self.transform)

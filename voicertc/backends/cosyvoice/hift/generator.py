@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from voicertc.backends.cosyvoice.hift.conv_stft import ConvStft
 from voicertc.backends.cosyvoice.hift.source import SineParams, SourceDraws, SourceModule
 from voicertc.backends.cosyvoice.load.yaml_config import tag_of
 from voicertc.errors import ModelDirError
@@ -276,9 +277,13 @@ class HiFTGenerator(nn.Module):
             return self.decode_runner(mel, source)
         return self.decode_eager(mel, source)
 
-    def decode_eager(self, mel: Tensor, source: Tensor) -> Tensor:
+    def decode_eager(self, mel: Tensor, source: Tensor, transform: ConvStft | None = None) -> Tensor:
+        """The generator network; `transform` replaces torch's STFT pair (an ONNX or captured graph)."""
         c = self.config
-        source_stft = self._stft(source.squeeze(1))
+        stft, istft = self._stft, self._istft
+        if transform is not None:
+            stft, istft = transform.stft, transform.istft
+        source_stft = stft(source.squeeze(1))
         x = self.conv_pre(mel)
         kernels = len(c.resblock_kernel_sizes)
         for i, up in enumerate(self.ups):
@@ -292,7 +297,7 @@ class HiFTGenerator(nn.Module):
         bins = c.istft_n_fft // 2 + 1
         magnitude = torch.exp(x[:, :bins]).clamp(max=1e2)
         phase = torch.sin(x[:, bins:])
-        wav = self._istft(magnitude, phase)
+        wav = istft(magnitude, phase)
         return wav.clamp(-c.audio_limit, c.audio_limit)
 
     def _stft(self, wav: Tensor) -> Tensor:

@@ -31,7 +31,7 @@ import torch
 
 from voicertc.audio.decode import Clip
 from voicertc.backends.cosyvoice.accel.apply import apply_accel, vllm_export_dir
-from voicertc.backends.cosyvoice.accel.captured import cuda_capture, run_eagerly
+from voicertc.backends.cosyvoice.accel.captured import CudaCapture, run_eagerly
 from voicertc.backends.cosyvoice.flow.flow import FlowStreamState
 from voicertc.backends.cosyvoice.hift.batch import vocode_batch
 from voicertc.backends.cosyvoice.hift.stream import HiftStreamState
@@ -87,6 +87,7 @@ class BackendOptions:
     graph_rows: int = 16  # the largest bucket captured, in utterances (more rows run eagerly, counted)
     graph_memory_mb: float = 0.0  # flow + vocoder buckets together (0 = a quarter of the card)
     static_steps: bool = False  # flow + vocoder through the static-shape path without capture (CPU tests)
+    graph_warm_keys: int = 1024  # flow histories (frames) whose buckets are captured at start (CUDA)
 
 
 Cv2Job = Job[Cv2State]
@@ -141,7 +142,7 @@ class CosyVoice2Backend:
             self.model,
             self.options.graph_rows,
             self.options.graph_memory_mb,
-            cuda_capture if cuda else run_eagerly,
+            CudaCapture() if cuda else run_eagerly,
         )
 
     def _decode_graphs(self) -> DecodeGraphs | None:
@@ -194,6 +195,9 @@ class CosyVoice2Backend:
         with self.lane.compute():
             if self.graphs is not None:
                 self.graphs.warm()
+            if self.captured is not None and self.options.cuda_graphs:
+                dtype = next(self.model.flow.parameters()).dtype
+                self.captured.warm(self.schedule, self.options.graph_warm_keys, self.model.device, dtype)
             slot = self.kv.acquire()
             try:
                 self.model.llm.step(self.model.llm.prefill([0, 1, 2], sampling="greedy", kv=slot))

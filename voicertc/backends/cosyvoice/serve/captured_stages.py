@@ -8,6 +8,7 @@ graphs (`llm.graphs.DecodeGraphs`); the CosyVoice3 DiT estimator and causal HiFT
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,9 @@ from voicertc.backends.cosyvoice.flow.graph import StreamingEstimator
 from voicertc.backends.cosyvoice.flow.unet import CausalConditionalDecoder
 from voicertc.backends.cosyvoice.hift.captured import CapturedHiftDecode
 from voicertc.backends.cosyvoice.hift.generator import HiFTGenerator
+from voicertc.backends.cosyvoice.hift.stream import MEL_CACHE_FRAMES
 from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model
+from voicertc.engine.schedule import ChunkSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +39,28 @@ class CapturedStages:
     def stats(self) -> dict[str, StageStats]:
         stages = {"flow": self.flow, "vocoder": self.hift}
         return {name: stage.stats for name, stage in stages.items() if stage is not None}
+
+    def warm(self, schedule: ChunkSchedule, warm_keys: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Capture, before the engine says ready, the buckets a call meets: the flow's every rows x frames
+        bucket with histories up to `warm_keys` frames, HiFT's chunk shapes of `schedule` at every row
+        count. Longer histories and other shapes are captured on first use (or run eagerly, counted)."""
+        started = time.perf_counter()
+        flow_n = hift_n = 0
+        if self.flow is not None:
+            b = self.flow.buckets
+            like = torch.zeros(1, device=device, dtype=dtype)
+            flow_n = self.flow.warm(b.rows_list(), list(b.frame_buckets), b.keys_list(warm_keys), like)
+        if self.hift is not None:
+            hops = sorted({schedule.hop_tokens(i) for i in range(8)})
+            frames = [2 * schedule.first_hop_tokens] + [MEL_CACHE_FRAMES + 2 * hop for hop in hops]
+            rows = [r for r in (1, 2, 4, 8, 16, 32, 64) if r < self.hift.max_rows] + [self.hift.max_rows]
+            like = torch.zeros(1, device=device, dtype=torch.float32)
+            hift_n = self.hift.warm(rows, sorted(set(frames)), like)
+        logger.info(
+            "captured at start: %d flow buckets, %d vocoder buckets in %.1f s (%.0f MB of %.0f MB budget)",
+            flow_n, hift_n, time.perf_counter() - started, self.budget.used_bytes / 2**20,
+            self.budget.limit_bytes / 2**20,
+        )  # fmt: skip
 
     def log_summary(self) -> None:
         for name, stats in self.stats().items():

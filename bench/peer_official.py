@@ -336,10 +336,13 @@ def main(argv: list[str] | None = None) -> None:
         from voicertc.backends.cosyvoice.serve.captured_stages import install_captured_steps
 
         capture = CudaCapture() if model.device.type == "cuda" else run_eagerly
-        install_captured_steps(model, 1, 0.0, capture)
+        stages = install_captured_steps(model, 1, 0.0, capture)
     inputs_path = make_inputs(args.peer, args.out, model.flow.cfg.vocab_size, max(args.tokens))
     inputs = torch.load(inputs_path)
     schedule = ChunkSchedule(final_chunk=args.final_chunk)
+    if args.cuda_graphs and model.device.type == "cuda":  # as the engine's warm-up: before the first call
+        history = 2 * (max(args.tokens) + inputs["prompt_tokens"].shape[1]) + 64
+        stages.warm(schedule, history, model.device, next(model.flow.parameters()).dtype)
 
     # official first (own processes; our model idles meanwhile), then ours in this process
     official: dict[int, tuple[dict, dict, dict | None]] = {}

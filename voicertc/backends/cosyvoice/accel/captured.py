@@ -48,6 +48,18 @@ class CudaCapture:
         self.pool: Any = None  # torch's graph pool handle (made on the first capture)
 
     def __call__(self, step: Step) -> Step:
+        try:
+            return self._capture(step)
+        except RuntimeError as exc:  # cuDNN may find no engine under capture (seen in float32): without
+            if not torch.backends.cudnn.enabled:  # it, the convolutions are ATen's own kernels
+                raise
+            logger.warning(
+                "capture with cuDNN failed (%s); capturing without cuDNN", str(exc).splitlines()[0]
+            )
+            with torch.backends.cudnn.flags(enabled=False):
+                return self._capture(step)
+
+    def _capture(self, step: Step) -> Step:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -149,16 +161,20 @@ class StaticSteps:
         if bucket is None:
             self.stats.eager += 1
             return None
-        for static, value, dim in zip(bucket.inputs, inputs, self.in_row_dims, strict=True):
-            static.narrow(dim, 0, rows).copy_(value)
-            if rows < padded_rows:
-                static.narrow(dim, rows, padded_rows - rows).zero_()
+        self._load(bucket.inputs, inputs, rows, padded_rows)
         outputs = bucket.replay()
         self.stats.replays += 1
         self.stats.by_shape[key] = self.stats.by_shape.get(key, 0) + 1
         return tuple(
             out.narrow(dim, 0, rows).clone() for out, dim in zip(outputs, self.out_row_dims, strict=True)
         )
+
+    def _load(self, static: Sequence[Tensor], inputs: Sequence[Tensor], rows: int, padded_rows: int) -> None:
+        """The call's inputs into a bucket's static buffers, pad rows zeroed."""
+        for buffer, value, dim in zip(static, inputs, self.in_row_dims, strict=True):
+            buffer.narrow(dim, 0, rows).copy_(value)
+            if rows < padded_rows:
+                buffer.narrow(dim, rows, padded_rows - rows).zero_()
 
     def _make(self, key: Hashable, padded_rows: int, like: Sequence[Tensor]) -> _Bucket | None:
         static, new = [], []
@@ -175,6 +191,9 @@ class StaticSteps:
         if not self.budget.take(size):
             return None
         self._buffers.update(new)
+        # capture on this call's inputs: a shared buffer may hold another bucket's (e.g. indices past
+        # this bucket's frames), and the warm-up runs of a capture compute on them
+        self._load(static, like, like[0].shape[self.in_row_dims[0]], padded_rows)
         started = time.perf_counter()
         try:
             replay = self.capture(lambda: self.fn(*static))

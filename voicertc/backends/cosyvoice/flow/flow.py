@@ -73,7 +73,8 @@ class FlowStreamState:
             t for c in self.estimator for t in c.conv_tails.values()
         ]
         tail_bytes = sum(t.numel() * t.element_size() for t in tails if t is not None)
-        return tail_bytes + sum(kv.filled_bytes() for kv in self.kv_caches())
+        packed = sum(c.packed.nbytes() for c in self.estimator if c.packed is not None)
+        return tail_bytes + packed + sum(kv.filled_bytes() for kv in self.kv_caches())
 
     def clone(self) -> FlowStreamState:
         """An independent copy (e.g. a voice's prompt state reused per utterance, or a batch member's

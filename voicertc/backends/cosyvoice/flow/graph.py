@@ -32,6 +32,7 @@ from voicertc.backends.cosyvoice.flow.unet import (
     CausalConditionalDecoder,
     CausalConv1d,
     EstimatorCache,
+    PackedCache,
 )
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,28 @@ def _group_keys(cache: EstimatorCache, slot: int) -> tuple[Tensor, Tensor] | Non
     return torch.cat(keys, dim=2), torch.cat(values, dim=2)
 
 
+def packed_context(cache: EstimatorCache, rows: int, layout: GraphLayout, like: Tensor) -> PackedCache:
+    """The group's context as one `PackedCache`: made from the per-slot form the first time a graph
+    runner meets the cache (a voice's prompt, say), then kept and written in that form."""
+    if cache.packed is not None:
+        return cache.packed
+    conv = like.new_zeros(rows, layout.conv_channels, layout.conv_width)
+    for slot, (offset, channels) in enumerate(layout.conv_slots):
+        tail = cache.conv_tails.get(slot)
+        if tail is not None:
+            conv[:, offset : offset + channels] = tail
+    kv = like.new_zeros(layout.attention_slots, 2, rows, layout.heads, max(64, cache.frames), layout.head_dim)
+    for slot in range(layout.attention_slots):
+        got = _group_keys(cache, slot)
+        if got is not None:
+            n = got[0].shape[2]
+            kv[slot, 0, :, :, :n] = got[0]
+            kv[slot, 1, :, :, :n] = got[1]
+    cache.packed = PackedCache(conv, kv, cache.frames, layout.conv_slots)
+    cache.conv_tails, cache.attention = {}, {}
+    return cache.packed
+
+
 def pack_caches(
     caches: list[EstimatorCache],
     rows: int,
@@ -129,41 +152,31 @@ def pack_caches(
     bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(conv_cache, kv_cache, attn_bias) for the row groups `caches` (each `rows` rows); the cached keys
-    are padded to `keys` at least (hidden by the bias), and the new frames past `real_frames` too."""
-    batch = rows * len(caches)
-    conv = like.new_zeros(batch, layout.conv_channels, layout.conv_width)
-    for g, cache in enumerate(caches):
-        for slot, (offset, channels) in enumerate(layout.conv_slots):
-            tail = cache.conv_tails.get(slot)
-            if tail is not None:
-                conv[g * rows : (g + 1) * rows, offset : offset + channels] = tail
+    are padded to `keys` at least (hidden by the bias), and the new frames past `real_frames` too.
+    One op per input whatever the layers: views of the packed contexts, concatenated across groups."""
+    packed = [packed_context(cache, rows, layout, like) for cache in caches]
     starts = [cache.frames for cache in caches]
     padded = max(1, keys, *starts)  # at least one (hidden) key: no zero-sized graph inputs
-    kv = like.new_zeros(layout.attention_slots, 2, batch, layout.heads, padded, layout.head_dim)
-    for g, cache in enumerate(caches):
-        for slot in range(layout.attention_slots):
-            got = _group_keys(cache, slot)
-            if got is not None:
-                n = got[0].shape[2]
-                kv[slot, 0, g * rows : (g + 1) * rows, :, :n] = got[0]
-                kv[slot, 1, g * rows : (g + 1) * rows, :, :n] = got[1]
+    for p in packed:
+        p.reserve(padded)
+    kv_views = [p.kv[:, :, :, :, :padded] for p in packed]  # past each group's frames: finite, hidden
+    kv = kv_views[0] if len(packed) == 1 else torch.cat(kv_views, dim=2)
+    conv = packed[0].conv if len(packed) == 1 else torch.cat([p.conv for p in packed], dim=0)
     if bias is None:  # (a caller may pass the bias it made for the same call: every Euler step shares it)
         chunk = layout.chunk_frames if chunk_masks else None
         bias = attention_bias(starts, rows, frames, padded, chunk, like.dtype, real_frames).to(like.device)
-    return conv, kv, bias
+    return conv.to(like.dtype), kv.to(like.dtype), bias
 
 
 def unpack_caches(
     caches: list[EstimatorCache], rows: int, layout: GraphLayout, conv_out: Tensor, kv_new: Tensor
 ) -> None:
-    """Write a call's new conv tails and keys/values back into each group's cache."""
+    """Store a call's new conv tails and keys/values in each group's packed context."""
     frames = kv_new.shape[4]
     for g, cache in enumerate(caches):
         group = slice(g * rows, (g + 1) * rows)
-        for slot, (offset, channels) in enumerate(layout.conv_slots):
-            cache.conv_tails[slot] = conv_out[group, offset : offset + channels]
-        for slot in range(layout.attention_slots):
-            cache.kv(slot).append(kv_new[slot, 0, group], kv_new[slot, 1, group])
+        packed = packed_context(cache, rows, layout, conv_out)
+        packed.store(conv_out[group], kv_new[:, :, group])
         cache.frames += frames
 
 

@@ -26,26 +26,83 @@ from voicertc.backends.cosyvoice.flow.kv import KVCache, two_segment_sdpa
 
 
 @dataclass
+class PackedCache:
+    """A row group's whole context as two tensors, the form graph runners read and write
+    (`flow.graph`): every conv's tail side by side [rows, C_sum, k-1] and every attention's K/V
+    [A, 2, rows, heads, capacity, head_dim] (frames [0, frames) filled; capacity doubles). One copy
+    per call packs a group, one copy stores its new frames: no per-layer work on the host."""
+
+    conv: Tensor
+    kv: Tensor
+    frames: int
+    conv_slots: tuple[tuple[int, int], ...]  # conv slot -> (channel offset, channels) in `conv`
+
+    def reserve(self, frames: int) -> None:
+        """Room for `frames` K/V frames at least (the capacity doubles; new room is zeros: finite)."""
+        if frames <= self.kv.shape[4]:
+            return
+        capacity = max(64, self.kv.shape[4])
+        while capacity < frames:
+            capacity *= 2
+        grown = self.kv.new_zeros(*self.kv.shape[:4], capacity, self.kv.shape[5])
+        grown[:, :, :, :, : self.frames] = self.kv[:, :, :, :, : self.frames]
+        self.kv = grown
+
+    def store(self, conv: Tensor, kv_new: Tensor) -> None:
+        """The call's new conv tails (replaced) and K/V frames (appended), [A, 2, rows, H, T, Dh]."""
+        new = kv_new.shape[4]
+        self.reserve(self.frames + new)
+        self.kv[:, :, :, :, self.frames : self.frames + new] = kv_new
+        self.conv = conv
+        self.frames += new
+
+    def clone(self) -> PackedCache:
+        kv = self.kv[:, :, :, :, : self.frames].clone()
+        return PackedCache(self.conv.clone(), kv, self.frames, self.conv_slots)
+
+    def nbytes(self) -> int:
+        filled = self.kv.numel() // self.kv.shape[4] * self.frames
+        return self.conv.numel() * self.conv.element_size() + filled * self.kv.element_size()
+
+
+@dataclass
 class EstimatorCache:
     """Left context of one row group: conv input tails [rows, C, k-1] (replaced, never written in
     place) and attention K/V caches [rows, heads, frames, head_dim], indexed by the slot numbers
-    assigned at construction."""
+    assigned at construction. A graph runner keeps the same context as one `PackedCache` instead
+    (`packed`, the per-slot dicts then empty); the eager estimator unpacks it again (`unpack`)."""
 
     frames: int = 0
     conv_tails: dict[int, Tensor] = field(default_factory=dict)
     attention: dict[int, KVCache] = field(default_factory=dict)
     reserve_frames: int = 0  # first K/V buffer capacity
+    packed: PackedCache | None = None
 
     def share(self) -> EstimatorCache:
         """An independent cache with the same context; copies no tensor data, now or when it is first
-        written: the K/V so far become a read-only prefix (see `KVCache.fork`)."""
+        written: the K/V so far become a read-only prefix (see `KVCache.fork`). A packed cache is
+        copied (its buffer is written in place)."""
         attention = {slot: kv.fork() for slot, kv in self.attention.items()}
-        return EstimatorCache(self.frames, dict(self.conv_tails), attention, self.reserve_frames)
+        packed = self.packed.clone() if self.packed is not None else None
+        return EstimatorCache(self.frames, dict(self.conv_tails), attention, self.reserve_frames, packed)
 
     def kv(self, slot: int) -> KVCache:
         if slot not in self.attention:
             self.attention[slot] = KVCache(reserve_frames=self.reserve_frames)
         return self.attention[slot]
+
+    def unpack(self) -> None:
+        """Back to the per-slot form from `packed` (the eager estimator after a graph runner)."""
+        packed = self.packed
+        if packed is None:
+            return
+        self.packed = None
+        for slot, (offset, channels) in enumerate(packed.conv_slots):
+            self.conv_tails[slot] = packed.conv[:, offset : offset + channels]
+        for slot in range(packed.kv.shape[0]):
+            kv = KVCache(reserve_frames=self.reserve_frames)
+            kv.append(packed.kv[slot, 0, :, :, : packed.frames], packed.kv[slot, 1, :, :, : packed.frames])
+            self.attention[slot] = kv
 
 
 class _Batch:
@@ -56,6 +113,8 @@ class _Batch:
         self.rows = rows_per_group
         self.chunk_frames = chunk_frames
         self.masks: dict[int, Tensor | None] = {}
+        for cache in caches:  # a context a graph runner packed: per slot again
+            cache.unpack()
 
     def conv_context(self, slot: int, x: Tensor, width: int) -> Tensor:
         """Prepend each group's cached left frames (zeros at the utterance start), keep the new tail."""

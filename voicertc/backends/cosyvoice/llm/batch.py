@@ -41,11 +41,15 @@ def decode_batch(
     Rows that feed one position on a `SlotKV` row share one batched forward; anything else (a prompt, a
     bistream text segment, a `DynamicCache` session) is fed alone. Each row samples with its own generator,
     so the tokens are those each session would draw alone. With `graphs` the batched rows run its
-    static-shape step (a CUDA graph replay per batch bucket).
+    static-shape step (a CUDA graph replay per batch bucket), and the prompts of several `SlotKV` rows
+    share one ragged forward (`SlotKV.forward_ragged`: on a GPU a prompt costs its launches, not its
+    length, so utterances that start together prefill together); without graphs (CPU) each prompt is
+    fed alone, as before.
     """
     results: list[DecodeResult] = [None] * len(sessions)
     fed: list[int] = []
     batch: list[tuple[int, KVSlot, Tensor]] = []
+    prompts: list[tuple[int, KVSlot, Tensor]] = []
     for i, session in enumerate(sessions):
         try:
             embeds = _prepare(session)
@@ -54,10 +58,27 @@ def decode_batch(
             if isinstance(session.cache, KVSlot) and embeds.shape[1] == 1:
                 batch.append((i, session.cache, embeds))
                 continue
+            if graphs is not None and isinstance(session.cache, KVSlot) and session.cache.pool is graphs.pool:
+                prompts.append((i, session.cache, embeds))
+                continue
             session.logits = llm.feed(session.cache, embeds)
             fed.append(i)
         except Exception as exc:  # noqa: BLE001 - isolated per session
             results[i] = exc
+    if len(prompts) == 1:
+        i, cache, embeds = prompts[0]
+        sessions[i].logits = llm.feed(cache, embeds)
+        fed.append(i)
+    elif prompts:
+        try:
+            hidden = prompts[0][1].pool.forward_ragged([p[1] for p in prompts], [p[2] for p in prompts])
+            logits = llm.llm_decoder(hidden)
+            for row, (i, _, _) in enumerate(prompts):
+                sessions[i].logits = logits[row]
+                fed.append(i)
+        except Exception as exc:  # noqa: BLE001 - the rows of this forward fail together
+            for i, _, _ in prompts:
+                results[i] = exc
     if batch:
         rows = [b[1] for b in batch]
         embeds = torch.cat([b[2] for b in batch], dim=0)

@@ -161,6 +161,20 @@ class SlotKV:
             r.length += n_new
         return hidden
 
+    def forward_ragged(self, rows: list[KVSlot], embeds: list[Tensor]) -> Tensor:
+        """Rows feeding different numbers of positions (prompts) in one forward: each [1, T_b, H] is
+        right-padded to the longest; every row's length grows by its own T_b. The pad positions' K/V lie
+        past the row's length, where attention is causal: never seen, overwritten by the next step.
+        Returns each row's last real hidden state [B, H]."""
+        longest = max(e.shape[1] for e in embeds)
+        padded = torch.cat([F.pad(e, (0, 0, 0, longest - e.shape[1])) for e in embeds], dim=0)
+        hidden = self.forward(rows, padded)
+        last = []
+        for b, (row, e) in enumerate(zip(rows, embeds, strict=True)):
+            row.length -= longest - e.shape[1]
+            last.append(hidden[b, e.shape[1] - 1])
+        return torch.stack(last)
+
     def run(self, index: Tensor, positions: Tensor, embeds: Tensor, span: int) -> Tensor:
         """The layers on device tensors only (no host sync, so a CUDA graph can capture it): rows
         `index` [B] write their keys/values at `positions` [B, T] and attend to keys [0, span) up to their

@@ -190,7 +190,7 @@ def mel_diffs(a: list[Tensor], b: list[Tensor], chunks: int) -> list[float | Non
     diffs: list[float | None] = []
     for x, y in zip(a[:chunks], b[:chunks], strict=False):
         same = x.shape == y.shape
-        diffs.append(float((x.float() - y.float()).abs().max()) if same else None)
+        diffs.append(float((x.float().cpu() - y.float().cpu()).abs().max()) if same else None)
     return diffs
 
 

@@ -146,8 +146,9 @@ class StaticSteps:
         self.pool_factor = pool_factor  # static inputs + a share of the stage's one graph pool
         self.stats = StageStats()
         self._buckets: dict[Hashable, _Bucket] = {}
-        # static inputs by (position, shape, dtype): buckets that differ in one input share the others
-        # (inputs are copied in right before each replay, and replays are sequential)
+        # static inputs by (position, shape, dtype): a bucket's input is a view of a buffer made for a
+        # bucket at least as large in every dimension (inputs are copied in right before each replay,
+        # and replays are sequential), so the buffers cost the largest bucket's inputs, not their sum
         self._buffers: dict[tuple[int, tuple[int, ...], torch.dtype], Tensor] = {}
 
     def run(self, padded_rows: int, inputs: Sequence[Tensor]) -> Outputs | None:
@@ -169,6 +170,14 @@ class StaticSteps:
             out.narrow(dim, 0, rows).clone() for out, dim in zip(outputs, self.out_row_dims, strict=True)
         )
 
+    def _view(self, position: int, shape: list[int], like: Tensor) -> Tensor | None:
+        """A view of shape `shape` into a static buffer of this input position that holds it."""
+        for (i, held, dtype), buffer in self._buffers.items():
+            if i == position and dtype == like.dtype and len(held) == len(shape):
+                if buffer.device == like.device and all(h >= n for h, n in zip(held, shape, strict=True)):
+                    return buffer[tuple(slice(0, n) for n in shape)]
+        return None
+
     def _load(self, static: Sequence[Tensor], inputs: Sequence[Tensor], rows: int, padded_rows: int) -> None:
         """The call's inputs into a bucket's static buffers, pad rows zeroed."""
         for buffer, value, dim in zip(static, inputs, self.in_row_dims, strict=True):
@@ -181,11 +190,10 @@ class StaticSteps:
         for i, (value, dim) in enumerate(zip(like, self.in_row_dims, strict=True)):
             shape = list(value.shape)
             shape[dim] = padded_rows
-            buffer_key = (i, tuple(shape), value.dtype)
-            buffer = self._buffers.get(buffer_key)
+            buffer = self._view(i, shape, value)
             if buffer is None:
                 buffer = value.new_zeros(shape)
-                new.append((buffer_key, buffer))
+                new.append(((i, tuple(shape), value.dtype), buffer))
             static.append(buffer)
         size = int(self.pool_factor * sum(t.numel() * t.element_size() for _, t in new))
         if not self.budget.take(size):

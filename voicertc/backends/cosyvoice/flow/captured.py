@@ -229,9 +229,9 @@ class CapturedEstimator(GraphEstimator):
         """Capture the buckets of every (rows, frames, keys) given (start-up, before the engine says
         ready); returns how many are captured now. `like`: a tensor of the estimator's dtype and device."""
         layout, before = self.layout, self.steps.stats.captures
-        for r in rows:
-            for f in frames:
-                for k in keys:
+        for r in sorted(rows, reverse=True):  # the largest first: the smaller buckets' inputs are views
+            for f in sorted(frames, reverse=True):
+                for k in sorted(keys, reverse=True):
                     shape = self.buckets.shape(r, f, k)
                     if shape is None or (shape.rows, shape.frames, shape.keys) != (r, f, k):
                         continue

@@ -24,29 +24,58 @@ from voicertc.backends.cosyvoice.flow.config import EstimatorConfig
 from voicertc.backends.cosyvoice.flow.encoder import chunk_attention_mask
 from voicertc.backends.cosyvoice.flow.kv import KVCache, two_segment_sdpa
 
+GROW_FRAMES = 128  # a packed context's K/V room grows by a quarter at least, in steps of this many frames
+
+
+class _KVBuffer:
+    """Who may append to a packed K/V tensor in place: the one view that holds every frame written."""
+
+    def __init__(self) -> None:
+        self.frames = 0  # frames written into the tensor so far
+        self.writer: object | None = None
+
 
 @dataclass
 class PackedCache:
     """A row group's whole context as two tensors, the form graph runners read and write
     (`flow.graph`): every conv's tail side by side [rows, C_sum, k-1] and every attention's K/V
-    [A, 2, rows, heads, capacity, head_dim] (frames [0, frames) filled; capacity doubles). One copy
-    per call packs a group, one copy stores its new frames: no per-layer work on the host."""
+    [A, 2, rows, heads, capacity, head_dim] (frames [0, frames) filled). One copy per call packs a
+    group, one copy stores its new frames: no per-layer work on the host.
+
+    Append-only sharing: `share` hands out a view of the same tensor. Frames [0, frames) of a view
+    never change, so a view may append in place only while it is the tensor's writer (or no one has
+    written past its frames yet); any other view copies its frames into a tensor of its own first. So
+    a batch member's state saved for a retry costs nothing, and every utterance sharing a voice's prompt
+    context copies it once, at its first chunk. The room grows by a quarter (at least `GROW_FRAMES`):
+    on a GPU this memory bounds how many utterances stream at once."""
 
     conv: Tensor
     kv: Tensor
     frames: int
     conv_slots: tuple[tuple[int, int], ...]  # conv slot -> (channel offset, channels) in `conv`
+    buffer: _KVBuffer = field(default_factory=_KVBuffer)
+
+    def __post_init__(self) -> None:
+        self.buffer.frames = max(self.buffer.frames, self.frames)
+
+    def _writable(self) -> bool:
+        buffer = self.buffer
+        return buffer.writer is self or (buffer.writer is None and buffer.frames == self.frames)
 
     def reserve(self, frames: int) -> None:
-        """Room for `frames` K/V frames at least (the capacity doubles; new room is zeros: finite)."""
-        if frames <= self.kv.shape[4]:
+        """Room for `frames` K/V frames at least, in a tensor this view may append to."""
+        writable = self._writable()
+        if frames <= self.kv.shape[4] and writable:
+            self.buffer.writer = self
             return
-        capacity = max(64, self.kv.shape[4])
-        while capacity < frames:
-            capacity *= 2
+        capacity = self.kv.shape[4]
+        if frames > capacity:
+            capacity = max(frames, capacity + capacity // 4)
+            capacity = -(-capacity // GROW_FRAMES) * GROW_FRAMES
         grown = self.kv.new_zeros(*self.kv.shape[:4], capacity, self.kv.shape[5])
         grown[:, :, :, :, : self.frames] = self.kv[:, :, :, :, : self.frames]
-        self.kv = grown
+        self.kv, self.buffer = grown, _KVBuffer()
+        self.buffer.frames, self.buffer.writer = self.frames, self
 
     def store(self, conv: Tensor, kv_new: Tensor) -> None:
         """The call's new conv tails (replaced) and K/V frames (appended), [A, 2, rows, H, T, Dh]."""
@@ -55,10 +84,11 @@ class PackedCache:
         self.kv[:, :, :, :, self.frames : self.frames + new] = kv_new
         self.conv = conv
         self.frames += new
+        self.buffer.frames = self.frames
 
-    def clone(self) -> PackedCache:
-        kv = self.kv[:, :, :, :, : self.frames].clone()
-        return PackedCache(self.conv.clone(), kv, self.frames, self.conv_slots)
+    def share(self) -> PackedCache:
+        """Another view of the same context (append-only sharing, see the class)."""
+        return PackedCache(self.conv, self.kv, self.frames, self.conv_slots, self.buffer)
 
     def nbytes(self) -> int:
         filled = self.kv.numel() // self.kv.shape[4] * self.frames
@@ -80,10 +110,10 @@ class EstimatorCache:
 
     def share(self) -> EstimatorCache:
         """An independent cache with the same context; copies no tensor data, now or when it is first
-        written: the K/V so far become a read-only prefix (see `KVCache.fork`). A packed cache is
-        copied (its buffer is written in place)."""
+        written: the K/V so far become a read-only prefix (see `KVCache.fork`; a packed context is
+        shared copy-on-write, `PackedCache.share`)."""
         attention = {slot: kv.fork() for slot, kv in self.attention.items()}
-        packed = self.packed.clone() if self.packed is not None else None
+        packed = self.packed.share() if self.packed is not None else None
         return EstimatorCache(self.frames, dict(self.conv_tails), attention, self.reserve_frames, packed)
 
     def kv(self, slot: int) -> KVCache:

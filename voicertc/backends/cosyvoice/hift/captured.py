@@ -58,8 +58,8 @@ class CapturedHiftDecode:
         """Capture the (rows, mel frames) buckets given now (start-up); how many were captured."""
         before = self.steps.stats.captures
         samples = self.hift.config.samples_per_frame
-        for r in rows:
-            for f in frames:
+        for r in sorted(rows, reverse=True):  # the largest first: the smaller buckets' inputs are views
+            for f in sorted(frames, reverse=True):
                 padded = row_bucket(r, self.max_rows)
                 if padded != r:
                     continue

@@ -16,16 +16,19 @@ One mixing rule for both versions; what differs is read from `bistream_ids(llm)`
 
 `plan_next_input` is the pure bookkeeping (which segments to feed next, or wait); `BistreamSession`
 owns the KV cache and calls it. Deviations from the official loop, all toward the training layout:
-text is taken 5 tokens per fill however it was chunked on arrival; the official loop re-feeds the
-last speech token after a fill when the text ends (a stale input), and drops unused prompt speech at
-the end: here neither happens; with a positive multiple of 15 prompt speech tokens the official loop
-speaks a group before asking for text, here it asks first (`first_fill_index`). CosyVoice3 without prompt speech (cross-lingual, instruct, sft): the
-official loop starts decoding right after [sos, instruct] with no text at all (its "nothing fed yet"
-test looks for an input of length 1); here, as in v2 and in training, 5 text tokens come first.
-Before the text ends the official loop masks id 6561 only (v2 eos, v3 sos) and raises on any other id
->= 6561 but fill; v2 keeps that mask (a sampled 6562 ends the utterance instead), v3 masks every stop id
-but fill (its targets there are speech or fill only). The final phase is capped at 20 tokens per text
-token; v3 ends quietly on any of its stop ids there, as its unistream loop does.
+* text is taken 5 tokens per fill however it was chunked on arrival;
+* the official loop re-feeds the last speech token after a fill when the text ends (a stale input) and
+  drops unused prompt speech at the end: here neither happens;
+* with a positive multiple of 15 prompt speech tokens the official loop speaks a group before asking
+  for text; here it asks first (`first_fill_index`);
+* CosyVoice3 without prompt speech (cross-lingual, instruct, sft): the official loop starts decoding
+  right after [sos, instruct] with no text at all (its "nothing fed yet" test looks for an input of
+  length 1); here, as in v2 and in training, 5 text tokens come first;
+* before the text ends the official loop masks id 6561 only (v2 eos, v3 sos) and raises on any other id
+  >= 6561 but fill; v2 keeps that mask (a sampled 6562 ends the utterance instead), v3 masks every stop
+  id but fill (its targets there are speech or fill only);
+* the final phase is capped at 20 tokens per text token; v3 ends quietly on any of its stop ids there,
+  as its unistream loop does.
 """
 
 from __future__ import annotations

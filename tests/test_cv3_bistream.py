@@ -135,10 +135,10 @@ def test_fed_layout_is_the_training_layout_whatever_the_deltas(
     assert all(tok < 6561 for tok in emitted) and len(emitted) + len(fills) == len(session.out_tokens)
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cuts=st.lists(st.integers(0, 40), min_size=1, max_size=8))
 def test_sampled_tokens_do_not_depend_on_the_deltas(llm, cuts):
-    text = list(range(300, 323))
+    text = list(range(300, 318))
 
     def speak(deltas: list[list[int]]) -> tuple[list[int], list[Segment]]:
         session = BistreamSession.start(
@@ -149,11 +149,13 @@ def test_sampled_tokens_do_not_depend_on_the_deltas(llm, cuts):
             session.push_text(delta)
             run_until_blocked(session, emitted, force=False)
         session.end_text()
-        run_until_blocked(session, emitted, force=False)
+        for _ in range(10):  # the start of the final phase (sampled until a stop id: up to 360 steps)
+            if (token := session.step()) is not None:
+                emitted.append(token)
         return emitted, coalesce(session.fed)
 
     whole = speak([text])
-    assert len(whole[0]) >= 60  # 25 text tokens: 5 groups spoken before the text ended
+    assert len(whole[0]) >= 45  # 20 text tokens: 4 groups spoken before the text ended
     assert speak(cut(text, cuts)) == whole
 
 
@@ -200,13 +202,13 @@ def test_batched_v3_sessions_equal_each_alone(llm):
     alone = []
     for n in range(2):
         session, tokens = start(n), []
-        while not session.finished and len(tokens) < 80:
+        while not session.finished and len(tokens) < 50:
             tokens.append(session.step())
         alone.append(tokens)
     pool = SlotKV(llm.llm.model.model, slots=2, capacity=16)
     sessions, got = [start(n, pool.acquire()) for n in range(2)], [[], []]
-    while any(not s.finished and len(got[n]) < 80 for n, s in enumerate(sessions)):
-        live = [n for n in range(2) if not sessions[n].finished and len(got[n]) < 80]
+    while any(not s.finished and len(got[n]) < 50 for n, s in enumerate(sessions)):
+        live = [n for n in range(2) if not sessions[n].finished and len(got[n]) < 50]
         for n, token in zip(live, decode_batch(llm, [sessions[n] for n in live]), strict=True):
             assert not isinstance(token, BaseException)
             got[n].append(token)

@@ -100,7 +100,8 @@ def test_text_deltas_speak_before_the_text_ends(model):
     spoken = len(model.text_frontend.encode("This is the first sentence of many.")) + len(
         model.text_frontend.encode("And then it ends.")
     )
-    assert sink.samples(uid).size == 2 * spoken * TOKEN_SAMPLES
+    # bistream: 15 speech tokens per full group of 5 text tokens; the rest (< 5) says nothing here
+    assert sink.samples(uid).size == 15 * (spoken // 5) * TOKEN_SAMPLES
 
 
 def test_zero_shot_voice_from_a_recording(model, tmp_path):

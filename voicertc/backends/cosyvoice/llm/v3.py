@@ -5,7 +5,9 @@ decoding, RAS / greedy sampling — is inherited):
 * sos (6561) and task_id (6563) are rows of `speech_embedding` (no `llm_embedding` table);
 * `speech_embedding` and `llm_decoder` have 6561 + 200 rows, `llm_decoder` has no bias;
 * any id >= 6561 (200 stop ids) ends generation; below min_len the mask hits id 6561 (sos), not eos;
-* the text (prompt text ++ text) must contain `<|endofprompt|>` (151646), as the reference asserts.
+* the text (prompt text ++ text) must contain `<|endofprompt|>` (151646), as the reference asserts;
+* text-in streaming (`llm.bistream`) reads fill 6564 / eos 6562 and feeds the prompt text up to
+  `<|endofprompt|>` whole after sos (`bistream.V3_IDS`).
 """
 
 from __future__ import annotations

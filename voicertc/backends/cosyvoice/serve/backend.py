@@ -51,7 +51,7 @@ from voicertc.backends.cosyvoice.serve.captured_stages import (
     remove_captured_steps,
 )
 from voicertc.backends.cosyvoice.serve.device_lane import DeviceLane, resolve_device
-from voicertc.backends.cosyvoice.serve.modes import llm_prompt
+from voicertc.backends.cosyvoice.serve.modes import LlmPrompt, llm_prompt
 from voicertc.backends.cosyvoice.serve.state import Cv2State, FlowedChunk
 from voicertc.backends.cosyvoice.serve.streams import token2wav_stream
 from voicertc.backends.cosyvoice.serve.token2wav import Chunk, Token2WavStream
@@ -217,16 +217,22 @@ class CosyVoice2Backend:
 
     features = frozenset({"instruct", "speed"})  # speak options it honours (speed: without streaming)
 
+    state_class: type[Cv2State] = Cv2State  # CosyVoice3: its own vocoder unit
+
+    def llm_prompt(self, voice: Voice, instruct: str) -> LlmPrompt:
+        """The LLM prompt parts of an utterance (`modes.llm_prompt`; CosyVoice3 adds `<|endofprompt|>`)."""
+        return llm_prompt(voice, instruct, self.model.text_frontend.encode)
+
     def begin(self, utt: Utterance[Cv2State]) -> Cv2State:
+        """The utterance's state: its voice, LLM prompt and seeded generators (shared by v2 and v3)."""
         voice = self.book.get(utt.voice)
         options = utt.options
-        prompt = llm_prompt(voice, options.instruct, self.model.text_frontend.encode)
         seed = self._seed(utt.utterance_id)
         self._active[utt.utterance_id] = utt
-        return Cv2State(
+        return self.state_class(
             voice=voice,
-            prompt=prompt,
-            speed=options.speed,
+            prompt=self.llm_prompt(voice, options.instruct),
+            speed=options.speed if "speed" in self.features else 1.0,
             llm_generator=torch.Generator(self.model.device).manual_seed(seed),
             llm_seed=seed,
             hift_generator=torch.Generator().manual_seed(seed + 1),

@@ -6,8 +6,8 @@ KV cache, the batched flow estimator, the per-utterance state and its pure `plan
 * the LLM prompt: CosyVoice3 needs `<|endofprompt|>`; voices without a transcript (cross-lingual, sft)
   get "You are a helpful assistant.<|endofprompt|>" as prompt text, instruct2 puts the instruction
   before it (as upstream's examples do);
-* text arriving as deltas: each complete sentence becomes its own LLM call (unistream, like a whole
-  text's pieces) instead of a bistream session (v3's fill / stop ids differ; not implemented);
+* text arriving as deltas: one bistream session with v3's ids and prompt layout (`llm.bistream`: the
+  prompt text up to `<|endofprompt|>` is fed whole after sos, the rest mixed 5 text : 15 speech);
 * vocoding: each utterance's HiFT runs alone (its state is a set of per-conv tails, not batched yet).
 """
 
@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,12 +40,12 @@ from voicertc.config import Config
 from voicertc.engine.backend import StepResult, SynthStep
 from voicertc.engine.schedule import ChunkSchedule
 from voicertc.engine.utterance import Utterance
-from voicertc.engine.work import Finish, FlowChunk, Frontend, Prefill, Vocode, Work
+from voicertc.engine.work import Vocode, Work
 
 logger = logging.getLogger(__name__)
 
 
-def v3_prompt(voice: Voice, instruct: str, encode) -> LlmPrompt:  # noqa: ANN001 - tokenizer encode
+def v3_prompt(voice: Voice, instruct: str, encode: Callable[[str], list[int]]) -> LlmPrompt:
     """`modes.llm_prompt` with CosyVoice3's mandatory `<|endofprompt|>` in the prompt text."""
     prompt = llm_prompt(voice, instruct, encode)
     if prompt.mode == "instruct":
@@ -60,29 +59,13 @@ def v3_prompt(voice: Voice, instruct: str, encode) -> LlmPrompt:  # noqa: ANN001
 
 @dataclass
 class Cv3State(Cv2State):
-    """CosyVoice2's state; deltas become one unistream LLM call per sentence (no bistream)."""
+    """CosyVoice2's state; the vocoder unit's length is the new mel alone (v3's HiFT keeps per-conv tails,
+    no mel cache)."""
 
     def plan(self, utt: Utterance[Cv2State]) -> Work | None:
-        if self.done:
-            return None
-        if self.flowed is not None:
+        if not self.done and self.flowed is not None:
             return Vocode(frames=self.flowed.mel.shape[2], final=self.flowed.plan.final)
-        if self.mode != "deltas":
-            return super().plan(utt)
-        if utt.text or (utt.input_ended and not self.text_ended):
-            return Frontend()
-        t2w = self.t2w
-        if t2w is not None and t2w.ready():
-            nxt = t2w.next_chunk()
-            assert nxt is not None
-            return FlowChunk(nxt[1])
-        if self.llm is not None and not self.llm.finished:
-            return self._decode()
-        if t2w is not None and (advance := t2w.final_advance()) is not None:
-            return FlowChunk(advance, final=True)
-        if self.segments:
-            return Prefill()
-        return Finish() if self.text_ended else None
+        return super().plan(utt)
 
 
 class CosyVoice3Backend(CosyVoice2Backend):
@@ -91,6 +74,7 @@ class CosyVoice3Backend(CosyVoice2Backend):
     name = "cosyvoice3"
     features = frozenset({"instruct"})  # speed (non-streaming re-timing) is CosyVoice2's only
     model: CosyVoice3Model
+    state_class = Cv3State
 
     def warm_up(self) -> None:
         """One LLM step and one flow + vocoder chunk before the engine reports ready (as CosyVoice2)."""
@@ -116,33 +100,8 @@ class CosyVoice3Backend(CosyVoice2Backend):
                 t2w.release()
         logger.info("cosyvoice3 warmed up in %.0f ms", 1000 * (time.perf_counter() - started))
 
-    def begin(self, utt: Utterance[Cv2State]) -> Cv2State:
-        voice = self.book.get(utt.voice)
-        options = utt.options
-        prompt = v3_prompt(voice, options.instruct, self.model.text_frontend.encode)
-        seed = self._seed(utt.utterance_id)
-        self._active[utt.utterance_id] = utt
-        return Cv3State(
-            voice=voice,
-            prompt=prompt,
-            llm_generator=torch.Generator(self.model.device).manual_seed(seed),
-            hift_generator=torch.Generator().manual_seed(seed + 1),
-        )
-
-    def _frontend(self, utt: Utterance[Cv2State], st: Cv2State) -> None:
-        started = time.perf_counter()
-        encode = self.model.text_frontend.encode
-        texts = st.take_text(utt)
-        if st.segments is None or st.segment_texts is None:
-            st.segments, st.segment_texts = deque(), deque()
-        for text in texts:
-            for piece in self._normalize(utt, text, split=st.mode == "whole"):
-                if ids := encode(piece):
-                    st.segments.append(ids)
-                    st.segment_texts.append(piece)
-        if st.mode == "deltas" and utt.input_ended:
-            st.text_ended = True
-        utt.add_metric("frontend_s", time.perf_counter() - started)
+    def llm_prompt(self, voice: Voice, instruct: str) -> LlmPrompt:
+        return v3_prompt(voice, instruct, self.model.text_frontend.encode)
 
     def _run_vocode(self, batch: Sequence[Cv2Job]) -> list[StepResult]:
         """Each row's incremental HiFT alone (`Token2WavStreamV3.complete`)."""

@@ -160,6 +160,15 @@ class Metrics:
 
     @staticmethod
     def _render_batches(lines: list[str], metric: Callable[..., None], stats: BatchStats) -> None:
+        if stats.captured:
+            metric(
+                "voicertc_engine_captured_steps_total",
+                "counter",
+                "Captured static-shape steps per stage: replays, eager runs (a shape outside every bucket "
+                "or past engine.graph_memory_mb) and captures.",
+                [({"stage": stage, "outcome": kind}, n)
+                 for stage, counts in sorted(stats.captured.items()) for kind, n in sorted(counts.items())],
+            )  # fmt: skip
         name = "voicertc_engine_batch_size"
         lines.append(f"# HELP {name} Units the scheduler ran as one batch, per stage (decode, flowchunk...).")
         lines.append(f"# TYPE {name} histogram")

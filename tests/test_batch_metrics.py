@@ -28,6 +28,20 @@ def test_batch_stats_are_rendered_per_stage():
     assert "voicertc_engine_model_seconds_total 0.14" in text
     assert "voicertc_engine_host_seconds_total 0.004" in text
     assert "voicertc_engine_runnable_units 5" in text
+    assert "voicertc_engine_captured_steps_total" not in text  # nothing captured: no series
+
+
+def test_captured_steps_are_rendered_per_stage_and_summed_over_workers():
+    one = BatchStats(captured={"flow": {"replays": 40, "eager": 2, "captures": 3}})
+    two = BatchStats(captured={"flow": {"replays": 10, "eager": 0, "captures": 3}, "vocoder": {"eager": 5}})
+    merged = BatchStats.merged([one, two])
+    assert merged.captured == {"flow": {"replays": 50, "eager": 2, "captures": 6}, "vocoder": {"eager": 5}}
+    metrics = Metrics()
+    metrics.engine_batches = lambda: merged
+    text = metrics.render()
+    assert 'voicertc_engine_captured_steps_total{outcome="eager",stage="flow"} 2' in text
+    assert 'voicertc_engine_captured_steps_total{outcome="replays",stage="flow"} 50' in text
+    assert 'voicertc_engine_captured_steps_total{outcome="eager",stage="vocoder"} 5' in text
 
 
 def test_the_worker_and_the_pool_keep_batch_stats():

@@ -100,9 +100,12 @@ class BatchBackend(Protocol[S]):
         queue, plans again (no backend polls). Others ignore it."""
         ...
 
-
     def release(self, utt: Utterance[S]) -> None:
         """Free everything held for `utt` (exactly once, also on cancel and failure)."""
+        ...
+
+    def captured_counts(self) -> dict[str, dict[str, int]]:
+        """Per captured stage: replays, eager runs (shapes outside every bucket) and captures ({}: none)."""
         ...
 
     def close(self) -> None: ...
@@ -152,6 +155,9 @@ class StepBackendAdapter(Generic[S]):
 
     def release(self, utt: Utterance[Any]) -> None:
         self.backend.release(utt)
+
+    def captured_counts(self) -> dict[str, dict[str, int]]:
+        return {}  # a simple backend captures nothing
 
     def close(self) -> None:
         self.backend.close()

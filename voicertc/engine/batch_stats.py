@@ -30,6 +30,8 @@ class BatchStats:
     host_s: float = 0.0  # the rest of those iterations: planning, scheduling, writing audio, commands
     runnable: int = 0  # units planned in the latest iteration (runnable queue depth)
     runnable_max: int = 0
+    # captured static-shape steps per stage: {"flow": {"replays": n, "eager": n, "captures": n}, ...}
+    captured: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def observe(self, stage: str, size: int, model_s: float, step_s: float, runnable: int) -> None:
         batches = self.stages.setdefault(stage, StageBatches())
@@ -61,4 +63,8 @@ class BatchStats:
             total.host_s += part.host_s
             total.runnable += part.runnable
             total.runnable_max = max(total.runnable_max, part.runnable_max)
+            for stage, counts in part.captured.items():
+                into = total.captured.setdefault(stage, {})
+                for kind, n in counts.items():
+                    into[kind] = into.get(kind, 0) + n
         return total

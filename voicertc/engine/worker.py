@@ -509,6 +509,8 @@ class EngineWorker:
             cpu_s=time.thread_time() - self._iteration_cpu,
         )
         self.batch_stats.observe(report.stage, report.size, report.model_s, report.step_s, report.runnable)
+        if self._batch_backend is not None:
+            self.batch_stats.captured = self._batch_backend.captured_counts()
         if self.observer is None:
             return
         try:

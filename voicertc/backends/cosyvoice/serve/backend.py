@@ -282,6 +282,16 @@ class CosyVoice2Backend:
             utt.backend_state.release()
         utt.backend_state = None
 
+    def captured_counts(self) -> dict[str, dict[str, int]]:
+        """The captured stages' counts (/metrics): decode graphs, flow and vocoder steps."""
+        counts = {}
+        if self.graphs is not None:
+            counts["decode"] = {"replays": self.graphs.replays, "eager": 0, "captures": self.graphs.captures}
+        if self.captured is not None:
+            for name, st in self.captured.stats().items():
+                counts[name] = {"replays": st.replays, "eager": st.eager, "captures": st.captures}
+        return counts
+
     def close(self) -> None:
         for utt in list(self._active.values()):
             self.release(utt)

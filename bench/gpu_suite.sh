@@ -8,7 +8,8 @@
 #   DEV=cpu bench/gpu_suite.sh /tmp/suite   # the dry run: same steps, tiny directory, small sizes
 #
 # Steps: (1) the model directory (full-size random weights, `bench.make_full_model_dir`; DEV=cpu: the
-# tiny one), (2) `pytest -m gpu tests/test_gpu*.py`, (3) `bench.cv2_stream` (bfloat16 + CUDA graphs),
+# tiny one), (2) `pytest -m gpu tests/test_gpu*.py`, (3) `bench.cv2_stream` (bfloat16 + CUDA graphs,
+# TTFA only), (3b) `bench.gpu_probe` (decode steps by rows, chunks captured vs eager, profiler tables),
 # (4) `bench.cv2_load --concurrency 1 8 16` (bfloat16 + CUDA graphs), (5)/(6) `bench.peer_official` in
 # float32 and in bfloat16 (the official side: its fp16 path), (7) `bench.cv2_load --concurrency 32 64`.
 # cv2_load writes its JSON only at its end, so its levels are split in two steps and the large ones go
@@ -28,7 +29,7 @@
 #   WHEELS           wheel folder installed offline into SITE first (default: .whl; skipped when absent;
 #                    DEV=cpu: WHEELS_CPU, default none, since .whl holds the GPU machine's Python 3.12 wheels)
 #   SITE             scratch `pip --target` folder for WHEELS, put first on PYTHONPATH (default: /tmp/voicertc-site)
-#   PEER_SITE        extra packages of the official code (default: SITE); passed as `--site`
+#   PEER_SITE        extra packages of the official code (default: SITE; DEV=cpu: /work/.peer-site); `--site`
 #   PEER_DIR         the peer tree (default: .carry/peer when present, else ../shared/peer)
 #   VOICERTC_GOLDEN  the golden copy for the tests (default: .carry/golden when present, else ../shared/golden)
 #   MODEL_DIR        where the model directory is built (default: .models/cv2_full; cpu: .models/cv2_tiny_suite)
@@ -57,7 +58,7 @@ PYTHON=${PYTHON:-python3}
 WHEELS=${WHEELS-.whl}  # DEV=cpu: none unless set (.whl holds the GPU machine's Python 3.12 wheels)
 [ "$DEV" = cpu ] && WHEELS=${WHEELS_CPU:-}
 SITE=${SITE:-/tmp/voicertc-site}
-PEER_SITE=${PEER_SITE:-$SITE}
+if [ "$DEV" = cpu ]; then PEER_SITE=${PEER_SITE:-/work/.peer-site}; else PEER_SITE=${PEER_SITE:-$SITE}; fi
 WORK=${WORK:-$(mktemp -d)}
 mkdir -p "$WORK/pack"
 PACK=$WORK/pack
@@ -73,23 +74,25 @@ if [ "$DEV" = cpu ]; then
     DEADLINE_S=${DEADLINE_S:-1500}
     MODEL_DIR=${MODEL_DIR:-$ROOT/.models/cv2_tiny_suite}
     MAKE_DIR=(bench.make_tiny_model_dir "$MODEL_DIR")
-    STREAM=(--device cpu --dtype float32 --chunks 2 --runs 1)
+    STREAM=(--device cpu --dtype float32 --chunks 0 --runs 1)
+    PROBE=(--device cpu --dtype float32 --runs 1 --rows 1 2)
     LOAD=(--device cpu --dtype float32 --max-tokens 40 --timeout-s 300)
     LEVELS_SMALL=(1 2) LEVELS_LARGE=(3)
     PEER_FP32=(--device cpu --dtype float32 --tokens 100 --runs 2)
     PEER_HALF=(--device cpu --dtype bfloat16 --tokens 30 --runs 1 --no-official-floor --cuda-graphs)
     # seconds each step may take at most (the global deadline cuts them shorter)
-    T_DIR=300 T_TEST=300 T_STREAM=300 T_LOAD=400 T_PEER32=600 T_PEER16=600 T_LOAD_LARGE=400
+    T_DIR=300 T_TEST=300 T_STREAM=300 T_PROBE=400 T_LOAD=400 T_PEER32=600 T_PEER16=600 T_LOAD_LARGE=400
 else
     DEADLINE_S=${DEADLINE_S:-460}
     MODEL_DIR=${MODEL_DIR:-$ROOT/.models/cv2_full}
     MAKE_DIR=(bench.make_full_model_dir --out "$MODEL_DIR")
-    STREAM=(--device cuda --dtype bfloat16 --cuda-graphs --chunks 12 --runs 3)
+    STREAM=(--device cuda --dtype bfloat16 --cuda-graphs --chunks 0 --runs 5)
+    PROBE=(--device cuda --dtype bfloat16 --runs 3 --rows 1 16)
     LOAD=(--device cuda --dtype bfloat16 --cuda-graphs --max-tokens 250 --timeout-s 100)
     LEVELS_SMALL=(1 8 16) LEVELS_LARGE=(32 64)
     PEER_FP32=(--device cuda --dtype float32 --tokens 250 750 --runs 2)
     PEER_HALF=(--device cuda --dtype bfloat16 --tokens 250 750 --runs 2 --no-official-floor --cuda-graphs)
-    T_DIR=60 T_TEST=90 T_STREAM=75 T_LOAD=110 T_PEER32=130 T_PEER16=90 T_LOAD_LARGE=240
+    T_DIR=60 T_TEST=90 T_STREAM=50 T_PROBE=70 T_LOAD=110 T_PEER32=130 T_PEER16=110 T_LOAD_LARGE=240
 fi
 
 START=$(date +%s)
@@ -147,6 +150,7 @@ step model_dir "$T_DIR" "$PYTHON" -m "${MAKE_DIR[@]}"
 step pytest_gpu "$T_TEST" "$PYTHON" -m pytest -q -m gpu tests/test_gpu*.py -p no:cacheprovider \
     --junitxml="$PACK/pytest_gpu.xml"
 step cv2_stream "$T_STREAM" "$PYTHON" -m bench.cv2_stream --model-dir "$MODEL_DIR" "${STREAM[@]}"
+step gpu_probe "$T_PROBE" "$PYTHON" -m bench.gpu_probe --model-dir "$MODEL_DIR" --out "$PACK/gpu_probe" "${PROBE[@]}"
 step cv2_load "$T_LOAD" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD[@]}" \
     --concurrency "${LEVELS_SMALL[@]}"
 step peer_float32 "$T_PEER32" "$PYTHON" -m bench.peer_official --model-dir "$MODEL_DIR" --peer "$PEER_DIR" \

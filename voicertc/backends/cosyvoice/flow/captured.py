@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 Outputs = tuple[Tensor, Tensor, Tensor]  # velocity, conv_cache_out, kv_new
 STEP_INPUTS = (*INPUT_NAMES, "tail_index")
+ROPE_INPUTS = ("rope_cos", "rope_sin")  # the DiT's (CosyVoice3) rotary angles [B, T, Dh]
 IN_ROW_DIMS = {"kv_cache": 2}  # every other input has its rows first
 OUT_ROW_DIMS = (0, 0, 2)  # velocity, conv_cache_out, kv_new [A, 2, B, H, T, Dh]
 
@@ -119,10 +120,11 @@ class CapturedEstimator(GraphEstimator):
         super().__init__(module.layout)
         self.module = module
         self.buckets = buckets or Buckets()
+        self.input_names = STEP_INPUTS + (ROPE_INPUTS if module.takes_rope else ())
         self.steps = StaticSteps(
             "flow step",
             module,
-            [IN_ROW_DIMS.get(name, 0) for name in STEP_INPUTS],
+            [IN_ROW_DIMS.get(name, 0) for name in self.input_names],
             OUT_ROW_DIMS,
             capture=capture,
             budget=budget or GraphBudget(limit_bytes=int(memory_mb * 2**20)),
@@ -161,6 +163,7 @@ class CapturedEstimator(GraphEstimator):
         width = self.layout.conv_width
         tail = (torch.arange(width, device=x.device) + frames).expand(batch, width)
         inputs = [x_in, mu_in, t, spks, cond_in, conv, kv, bias, tail]
+        inputs += self.module.rope(starts, rows, shape.frames, x.dtype)
         outputs = self.steps.run(shape.rows, inputs)
         velocity, conv_out, kv_new = outputs if outputs is not None else self.module(*inputs)
         kv_new = kv_new.narrow(4, 0, frames)
@@ -191,7 +194,8 @@ class CapturedEstimator(GraphEstimator):
         """The eager step at the call's exact shapes (outside every bucket)."""
         rows = x.shape[0] // len(caches)
         conv, kv, bias = pack_caches(caches, rows, x.shape[2], self.layout, chunk_masks, x)
-        velocity, conv_out, kv_new = self.module(x, mu, t, spks, cond, conv, kv, bias)
+        rope = self.module.rope([cache.frames for cache in caches], rows, x.shape[2], x.dtype)
+        velocity, conv_out, kv_new = self.module(x, mu, t, spks, cond, conv, kv, bias, None, *rope)
         unpack_caches(caches, rows, self.layout, conv_out.to(x.dtype), kv_new.to(x.dtype))
         return velocity.to(x.dtype)
 
@@ -243,6 +247,8 @@ class CapturedEstimator(GraphEstimator):
                         zeros(r, 1, f, k + f),
                         (torch.arange(layout.conv_width, device=like.device) + f).expand(r, -1),
                     ]  # fmt: skip
+                    if self.module.takes_rope:
+                        inputs += [zeros(r, f, layout.head_dim), zeros(r, f, layout.head_dim)]
                     if self.steps.run(r, inputs) is None and self.steps.stats.failed is not None:
                         return self.steps.stats.captures - before
         return self.steps.stats.captures - before

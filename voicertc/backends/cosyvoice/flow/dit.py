@@ -13,6 +13,7 @@ Rotary: positions are absolute frame indices of the utterance (prompt included);
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +66,7 @@ class TimestepEmbedding(nn.Module):
         return self.time_mlp(self.time_embed(t).to(t.dtype))
 
 
-class _StreamConv(nn.Conv1d):
+class StreamConv(nn.Conv1d):
     """Grouped conv fed with its cached (kernel-1) previous input frames instead of zero padding."""
 
     slot = -1
@@ -79,8 +80,8 @@ class CausalConvPositionEmbedding(nn.Module):
 
     def __init__(self, dim: int) -> None:
         super().__init__()
-        self.conv1 = nn.ModuleList([_StreamConv(dim, dim, CONV_POS_KERNEL, groups=CONV_POS_GROUPS)])
-        self.conv2 = nn.ModuleList([_StreamConv(dim, dim, CONV_POS_KERNEL, groups=CONV_POS_GROUPS)])
+        self.conv1 = nn.ModuleList([StreamConv(dim, dim, CONV_POS_KERNEL, groups=CONV_POS_GROUPS)])
+        self.conv2 = nn.ModuleList([StreamConv(dim, dim, CONV_POS_KERNEL, groups=CONV_POS_GROUPS)])
 
     def forward(self, x: Tensor, batch: RowBatch) -> Tensor:
         # x: [B, T, D] -> [B, T, D]
@@ -216,16 +217,13 @@ class DiT(nn.Module):
         self.proj_out = nn.Linear(cfg.dim, cfg.mel_dim)
         conv_slot = attn_slot = 0
         for module in self.modules():
-            if isinstance(module, _StreamConv):
+            if isinstance(module, StreamConv):
                 module.slot, conv_slot = conv_slot, conv_slot + 1
             elif isinstance(module, DiTAttention):
                 module.slot, attn_slot = attn_slot, attn_slot + 1
 
-    def _rope(
-        self, caches: list[EstimatorCache], rows: int, frames: int, dtype: torch.dtype
-    ) -> tuple[Tensor, Tensor]:
-        # -> cos, sin: [1 or B, T, dim_head], each row group at its own absolute start frame
-        starts = [c.frames for c in caches]
+    def rope(self, starts: list[int], rows: int, frames: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        # -> cos, sin: [1 or B, T, dim_head], row group g (`rows` rows) at absolute frame starts[g]
         if len(set(starts)) == 1:
             cos, sin = self.rotary_embed.cos_sin(starts[0], frames)
             return cos[None].to(dtype), sin[None].to(dtype)
@@ -249,12 +247,27 @@ class DiT(nn.Module):
         frames = x.shape[2]
         rows = x.shape[0] // len(caches)
         batch = RowBatch(caches, rows, self.chunk_frames if chunk_masks else None)
-        t_emb = self.time_embed(t)
-        h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks, batch)
-        rope = self._rope(caches, rows, frames, h.dtype)
-        for block in self.transformer_blocks:
-            h = block(h, t_emb, batch, rope)
-        out = self.proj_out(self.norm_out(h, t_emb)).transpose(1, 2)
+        rope = self.rope([c.frames for c in caches], rows, frames, x.dtype)
+        out = self.forward_batch(x, mu, t, spks, cond, batch, rope)
         for cache in caches:
             cache.frames += frames
         return out
+
+    def forward_batch(
+        self,
+        x: Tensor,
+        mu: Tensor,
+        t: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        batch: Any,
+        rope: tuple[Tensor, Tensor],
+    ) -> Tensor:
+        """The network on a batch that answers its convs' and attentions' cache questions (the eager
+        `RowBatch`, or the graph form's tensors: `flow.graph.StreamingEstimator`)."""
+        t_emb = self.time_embed(t)
+        h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks, batch)
+        rope = (rope[0].to(h.dtype), rope[1].to(h.dtype))
+        for block in self.transformer_blocks:
+            h = block(h, t_emb, batch, rope)
+        return self.proj_out(self.norm_out(h, t_emb)).transpose(1, 2)

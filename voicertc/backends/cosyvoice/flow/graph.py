@@ -22,11 +22,13 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
+from voicertc.backends.cosyvoice.flow.dit import DiT, DiTAttention, StreamConv
 from voicertc.backends.cosyvoice.flow.unet import (
     Attention,
     CausalConditionalDecoder,
@@ -59,13 +61,19 @@ class GraphLayout:
 
     @staticmethod
     def of(estimator: nn.Module) -> GraphLayout:
-        if not isinstance(estimator, CausalConditionalDecoder):
-            raise ValueError(f"the graph layout covers CosyVoice2's UNet, not {type(estimator).__name__}")
-        convs = sorted((m.slot, m) for m in estimator.modules() if isinstance(m, CausalConv1d))
-        attns = [m for m in estimator.modules() if isinstance(m, Attention)]
+        """The layout of CosyVoice2's UNet or CosyVoice3's DiT (the convs of one estimator share a width)."""
+        convs: list[tuple[int, nn.Conv1d]]
+        if isinstance(estimator, CausalConditionalDecoder):
+            convs = sorted((m.slot, m) for m in estimator.modules() if isinstance(m, CausalConv1d))
+            attns = [(m.heads, m.head_dim) for m in estimator.modules() if isinstance(m, Attention)]
+        elif isinstance(estimator, DiT):
+            convs = sorted((m.slot, m) for m in estimator.modules() if isinstance(m, StreamConv))
+            attns = [(m.heads, m.dim_head) for m in estimator.modules() if isinstance(m, DiTAttention)]
+        else:
+            raise ValueError(f"the graph layout covers the UNet and the DiT, not {type(estimator).__name__}")
         widths = {m.kernel_size[0] - 1 for _, m in convs}
-        if widths != {2}:
-            raise ValueError(f"the graph layout assumes kernel-3 causal convs, found widths {widths}")
+        if len(widths) != 1:
+            raise ValueError(f"the graph layout needs one causal conv width, found {sorted(widths)}")
         slots, offset = [], 0
         for _, conv in convs:
             slots.append((offset, conv.in_channels))
@@ -73,9 +81,10 @@ class GraphLayout:
         return GraphLayout(
             conv_slots=tuple(slots),
             attention_slots=len(attns),
-            heads=attns[0].heads,
-            head_dim=attns[0].head_dim,
+            heads=attns[0][0],
+            head_dim=attns[0][1],
             chunk_frames=estimator.chunk_frames,
+            conv_width=widths.pop(),
         )
 
 
@@ -217,12 +226,15 @@ class _GraphBatch:
 
 
 class StreamingEstimator(nn.Module):
-    """`CausalConditionalDecoder` with its caches as tensors (the graph of `voicertc export onnx`)."""
+    """The estimator (CosyVoice2's UNet or CosyVoice3's DiT) with its caches as tensors (the graph of
+    `voicertc export onnx` for the UNet; the captured static-shape step for both). The DiT also takes
+    its rotary angles as inputs (`rope_cos`, `rope_sin` [B, T, Dh]: each row at its absolute frame)."""
 
-    def __init__(self, estimator: CausalConditionalDecoder) -> None:
+    def __init__(self, estimator: nn.Module) -> None:
         super().__init__()
         self.estimator = estimator
         self.layout = GraphLayout.of(estimator)
+        self.takes_rope = isinstance(estimator, DiT)
 
     def forward(
         self,
@@ -235,16 +247,32 @@ class StreamingEstimator(nn.Module):
         kv_cache: Tensor,
         attn_bias: Tensor,
         tail_index: Tensor | None = None,
+        rope_cos: Tensor | None = None,
+        rope_sin: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """`tail_index` [B, width] (static-shape steps only): the chunk's frames are padded, row b's real
         ones end at `tail_index[b, -1] + 1 - width`; the new conv tails are taken there."""
         batch = _GraphBatch(self.layout, conv_cache, kv_cache, attn_bias, tail_index)
-        velocity = self.estimator.forward_batch(x, mu, t, spks, cond, batch)
+        if isinstance(self.estimator, DiT):
+            if rope_cos is None or rope_sin is None:
+                raise ValueError("the DiT's graph form takes rope_cos and rope_sin")
+            velocity = self.estimator.forward_batch(x, mu, t, spks, cond, batch, (rope_cos, rope_sin))
+        else:
+            unet: Any = self.estimator
+            velocity = unet.forward_batch(x, mu, t, spks, cond, batch)
         conv_out = torch.cat([batch.new_tails[s] for s in range(len(self.layout.conv_slots))], dim=1)
         kv_new = torch.stack(
             [torch.stack(batch.new_kv[s]) for s in range(self.layout.attention_slots)]
         )  # [A, 2, B, H, T, Dh]
         return velocity, conv_out, kv_new
+
+    def rope(self, starts: list[int], rows: int, frames: int, dtype: torch.dtype) -> list[Tensor]:
+        """The extra inputs of a call: the DiT's rotary angles [B, T, Dh] (none for the UNet)."""
+        if not isinstance(self.estimator, DiT):
+            return []
+        cos, sin = self.estimator.rope(starts, rows, frames, dtype)
+        batch = rows * len(starts)
+        return [cos.expand(batch, -1, -1), sin.expand(batch, -1, -1)]
 
 
 class GraphEstimator:

@@ -2,7 +2,8 @@
 loaded model, under one memory budget, and report what they did (start-up log, /metrics).
 
 Runs on the engine thread (the backend's constructor, which runs there). The LLM decode has its own
-graphs (`llm.graphs.DecodeGraphs`); the CosyVoice3 DiT estimator and causal HiFT are not covered yet.
+graphs (`llm.graphs.DecodeGraphs`). CosyVoice3's DiT estimator takes the same captured path as
+CosyVoice2's UNet (one mechanism, two estimators); its causal HiFT is not captured yet.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from voicertc.backends.cosyvoice.accel.captured import Capture, GraphBudget, StageStats
 from voicertc.backends.cosyvoice.flow.captured import Buckets, CapturedEstimator
+from voicertc.backends.cosyvoice.flow.dit import DiT
 from voicertc.backends.cosyvoice.flow.graph import StreamingEstimator
 from voicertc.backends.cosyvoice.flow.unet import CausalConditionalDecoder
 from voicertc.backends.cosyvoice.hift.captured import CapturedHiftDecode
@@ -87,7 +89,7 @@ def install_captured_steps(
     flow = None
     decoder = model.flow.decoder
     estimator = decoder.estimator
-    if decoder.estimator_runner is None and isinstance(estimator, CausalConditionalDecoder):
+    if decoder.estimator_runner is None and isinstance(estimator, (CausalConditionalDecoder, DiT)):
         flow = CapturedEstimator(
             StreamingEstimator(estimator), buckets=Buckets(max_rows=2 * max_utterances), capture=capture,
             budget=budget,

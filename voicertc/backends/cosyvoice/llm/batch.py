@@ -14,6 +14,7 @@ from torch import Tensor
 from voicertc.backends.cosyvoice.llm.bistream import BistreamSession
 from voicertc.backends.cosyvoice.llm.kv import KVSlot
 from voicertc.backends.cosyvoice.llm.qwen2lm import LlmSession, Qwen2LM
+from voicertc.backends.cosyvoice.llm.sampling import draw_rows
 
 if TYPE_CHECKING:
     from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs
@@ -43,8 +44,9 @@ def decode_batch(
     so the tokens are those each session would draw alone. With `graphs` the batched rows run its
     static-shape step (a CUDA graph replay per batch bucket), and the prompts of several `SlotKV` rows
     share one ragged forward (`SlotKV.forward_ragged`: on a GPU a prompt costs its launches, not its
-    length, so utterances that start together prefill together); without graphs (CPU) each prompt is
-    fed alone, as before.
+    length, so utterances that start together prefill together) and the plain sessions' tokens are drawn
+    on the device with one host sync for the batch (`sampling.draw_rows`); without graphs (CPU) each
+    prompt is fed alone and each row samples on the host, as before (the official token stream).
     """
     results: list[DecodeResult] = [None] * len(sessions)
     fed: list[int] = []
@@ -89,10 +91,38 @@ def decode_batch(
         for row, (i, _, _) in enumerate(batch):
             sessions[i].logits = logits[row]
             fed.append(i)
+    drawn = _draw_on_device(llm, sessions, fed) if graphs is not None else {}
     for i in sorted(fed):
         session = sessions[i]
         try:
-            results[i] = session.accept() if isinstance(session, BistreamSession) else llm.accept(session)
+            if isinstance(session, BistreamSession):
+                results[i] = session.accept()
+            elif i in drawn:
+                results[i] = llm.accept_drawn(session, drawn[i])
+            else:
+                results[i] = llm.accept(session)
         except Exception as exc:  # noqa: BLE001 - isolated per session
             results[i] = exc
     return results
+
+
+def _draw_on_device(
+    llm: Qwen2LM, sessions: list[LlmSession | BistreamSession], fed: list[int]
+) -> dict[int, int]:
+    """The plain sessions' tokens drawn together on the device, read back with one sync (instead of a
+    few per row: on a GPU each sync waits for the whole queue)."""
+    rows = [i for i in sorted(fed) if isinstance(sessions[i], LlmSession)]
+    plain = [s for i in rows if isinstance(s := sessions[i], LlmSession)]
+    if not plain:
+        return {}
+    logits = torch.stack([s.logits for s in plain if s.logits is not None])
+    if logits.shape[0] != len(plain):
+        return {}
+    tokens = draw_rows(
+        logits,
+        [s.sampling for s in plain],
+        [llm.ban_ids(s) for s in plain],
+        llm.sampling_params,
+        [s.generator for s in plain],
+    )
+    return dict(zip(rows, tokens.tolist(), strict=True))

@@ -24,7 +24,13 @@ from torch import Tensor, nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.cache_utils import DynamicCache
 
-from voicertc.backends.cosyvoice.llm.sampling import SamplingMode, SamplingParams, sample_token
+from voicertc.backends.cosyvoice.llm.sampling import (
+    SamplingMode,
+    SamplingParams,
+    ras_redraw,
+    ras_repeats,
+    sample_token,
+)
 from voicertc.backends.cosyvoice.load.checkpoint import check_layout
 from voicertc.errors import ModelDirError
 
@@ -310,11 +316,22 @@ class Qwen2LM(nn.Module):
             session.pending = None
         return self.accept(session, force=force)
 
+    def ban_ids(self, session: LlmSession) -> tuple[int, ...]:
+        """The ids masked at this step (end of speech before min_len)."""
+        return self.min_len_ban_ids if session.step_index < session.min_len else ()
+
+    def accept_drawn(self, session: LlmSession, drawn: int) -> int | None:
+        """Accept a token drawn on the device (`sampling.draw_rows`), RAS's repetition rule applied."""
+        assert session.logits is not None
+        if session.sampling == "ras" and ras_repeats(drawn, session.out_tokens, self.sampling_params):
+            drawn = ras_redraw(session.logits, drawn, self.ban_ids(session), session.generator)
+        return self.accept(session, force=drawn)
+
     def accept(self, session: LlmSession, *, force: int | None = None) -> int | None:
         """Pick the next token from `session.logits` (the input fed); see `step`."""
         assert session.logits is not None
         if force is None:
-            ban = self.min_len_ban_ids if session.step_index < session.min_len else ()
+            ban = self.ban_ids(session)
             token = sample_token(
                 session.logits,
                 session.out_tokens,

@@ -110,3 +110,56 @@ def sample_token(
     if mode == "ras":
         return ras_sample(logp, decoded_tokens, params, generator)
     raise ValueError(f"unknown sampling mode {mode!r} (expected 'ras' or 'greedy')")
+
+
+def draw_rows(
+    logits: Tensor,
+    modes: list[SamplingMode],
+    bans: list[tuple[int, ...]],
+    params: SamplingParams,
+    generators: list[torch.Generator | None],
+) -> Tensor:
+    """One draw per row of `logits` [B, V] without a host sync: token ids [B] on the logits' device.
+
+    The decode graphs' path (`llm.batch.decode_batch` with graphs): the nucleus is found on the device
+    (float32 cumulative sum of the sorted probabilities; a token is kept while the sum before it is
+    under top_p, at most top_k: `nucleus_size`'s rule) and each row draws from it with its own
+    generator, so a row's token does not depend on the others in the batch. RAS's repetition rule
+    needs the decoded history and is applied after the one sync (`ras_redraw`). Greedy rows: argmax."""
+    logp = logits.float().log_softmax(dim=-1)
+    for b, ban in enumerate(bans):
+        if ban:
+            logp[b, list(ban)] = -float("inf")
+    picks = []
+    if any(mode == "ras" for mode in modes):
+        probs_sorted, ids_sorted = logp.softmax(dim=-1).sort(dim=-1, descending=True, stable=True)
+        head = probs_sorted[:, : params.top_k]
+        before = head.cumsum(dim=-1) - head  # the running sum before each token
+        weights = head * (before < params.top_p)
+    for b, mode in enumerate(modes):
+        if mode == "greedy":
+            picks.append(logp[b].argmax().reshape(1))
+        else:
+            pick = torch.multinomial(weights[b], 1, replacement=True, generator=generators[b])
+            picks.append(ids_sorted[b, pick])
+    return torch.cat(picks)
+
+
+def ras_repeats(token: int, decoded_tokens: list[int], params: SamplingParams) -> bool:
+    """RAS's rule: the drawn id occurs at least win_size * tau_r times in the last win_size tokens."""
+    window = decoded_tokens[-params.win_size :] if params.win_size > 0 else []
+    return sum(1 for t in window if t == token) >= params.win_size * params.tau_r
+
+
+def ras_redraw(
+    logits: Tensor,
+    token: int,
+    ban_ids: tuple[int, ...],
+    generator: torch.Generator | None,
+) -> int:
+    """RAS's second draw: the repeated id banned, from the whole distribution."""
+    logp = logits.float().log_softmax(dim=-1)
+    if ban_ids:
+        logp[list(ban_ids)] = -float("inf")
+    logp[token] = -float("inf")
+    return int(torch.multinomial(logp.softmax(dim=0), 1, replacement=True, generator=generator).item())

@@ -40,6 +40,7 @@ from voicertc.backends.cosyvoice.voice.features import (
     resample_wav,
 )
 from voicertc.backends.cosyvoice.voice.text import text_normalize
+from voicertc.backends.cosyvoice.voice.text_prep import TextPrep
 from voicertc.errors import InputError, UnknownVoiceError
 from voicertc.voice_ids import VOICE_ID, check_voice_id, voice_id_of, voice_path
 
@@ -231,26 +232,59 @@ def read_prompt_wav(path: str | Path, limits: ClipLimits | None = None) -> Clip:
         raise AudioError(exc.code, f"{path}: {exc}", exc.status) from exc
 
 
-def voice_from_samples(
+MAX_TRANSCRIPT_CHARS_PER_S = 50  # a prompt transcript longer than this per second of clip is refused
+
+
+@dataclass(frozen=True)
+class VoiceFeatures:
+    """What a clip gives a voice before any model state (computed off the engine thread): prompt speech
+    tokens [1, p], prompt mel [1, 2p, 80], CAM++ embedding [1, 192] and the transcript's token ids
+    (None: no transcript, or one still to be tokenised on the engine thread when `text_pending`)."""
+
+    voice_id: str | None
+    tokens: Tensor
+    feat: Tensor
+    embedding: Tensor
+    transcript: str
+    text_ids: tuple[int, ...] | None
+    text_pending: bool = False
+    name: str = ""
+
+
+def check_transcript(clip: Clip, transcript: str | None) -> str:
+    """The stripped transcript; InputError before any work when it is longer than the clip can say."""
+    text = (transcript or "").strip()
+    limit = max(100, int(MAX_TRANSCRIPT_CHARS_PER_S * clip.seconds))
+    if len(text) > limit:
+        raise InputError(
+            f"the prompt transcript has {len(text)} characters for a {clip.seconds:.1f} s clip; "
+            f"at most {limit} ({MAX_TRANSCRIPT_CHARS_PER_S} per second)"
+        )
+    return text
+
+
+def voice_features(
     model: CosyVoice2Model,
     clip: Clip,
     transcript: str | None,
     voice_id: str | None = None,
     *,
     name: str = "",
-    source: VoiceSource = "memory",
-) -> Voice:
-    """Zero-shot voice from a prompt clip and its transcript (cosyvoice.md §2.4-2.5); without a
-    transcript, a cross-lingual voice (the flow gets the prompt, the LLM none).
+    prep: TextPrep | None = None,
+) -> VoiceFeatures:
+    """A clip's prompt features (cosyvoice.md §2.4-2.5); any thread (no engine state is touched).
 
     16 kHz for the speech tokenizer and CAM++, 24 kHz for the prompt mel; then the reference's 2:1
-    trim: both token lists and the mel are cut to min(mel frames // 2, tokens) tokens."""
+    trim: both token lists and the mel are cut to min(mel frames // 2, tokens) tokens. The transcript
+    is normalised and tokenised by `prep` (a process pool); without one it is left for `voice_install`
+    on the engine thread (the tokenizer is not shared across threads)."""
     if voice_id is not None:
         check_voice_id(voice_id)
     if not MIN_PROMPT_S <= clip.seconds <= MAX_PROMPT_S:
         raise InputError(
             f"prompt audio is {clip.seconds:.2f} s; it must be {MIN_PROMPT_S:g}-{MAX_PROMPT_S:g} s"
         )
+    text = check_transcript(clip, transcript)
     wav, rate_hz = clip.samples, clip.sample_rate_hz
     wav_16k = resample_wav(wav, rate_hz, TOKENIZER_SAMPLE_RATE_HZ)[None]
     wav_24k = resample_wav(wav, rate_hz, PROMPT_SAMPLE_RATE_HZ)[None]
@@ -261,17 +295,46 @@ def voice_from_samples(
     if token_len == 0:
         raise InputError("the speech tokenizer found no speech tokens in the prompt")
     feat, tokens = feat[:, : 2 * token_len], tokens[:, :token_len]
-    transcript = (transcript or "").strip()
-    text_ids: list[int] | None = None
-    if transcript:
-        text = text_normalize(transcript, model.text_frontend.encode, split=False)[0]
-        text_ids = model.text_frontend.encode(text)
+    text_ids: tuple[int, ...] | None = None
+    if text and prep is not None:
+        prepared = prep.submit(text, split=False).result()
+        text_ids = tuple(i for _, ids in prepared.pieces[:1] for i in ids)
+        if not text_ids:
+            raise InputError("the prompt transcript has no text tokens")
+    return VoiceFeatures(
+        voice_id, tokens, feat, embedding, text, text_ids, text_pending=bool(text) and prep is None, name=name
+    )
+
+
+def voice_install(
+    model: CosyVoice2Model, features: VoiceFeatures, *, source: VoiceSource = "memory"
+) -> Voice:
+    """The voice of `features`: the flow's prompt state and the LLM prefix (engine thread)."""
+    text_ids = features.text_ids
+    if features.text_pending:
+        text = text_normalize(features.transcript, model.text_frontend.encode, split=False)[0]
+        text_ids = tuple(model.text_frontend.encode(text))
         if not text_ids:
             raise InputError("the prompt transcript has no text tokens")
     return voice_from_features(
-        model, tokens, feat, embedding, text_ids, voice_id, prompt_text=transcript, name=name,
-        source=source, created_s=time.time(),
+        model, features.tokens, features.feat, features.embedding, text_ids, features.voice_id,
+        prompt_text=features.transcript, name=features.name, source=source, created_s=time.time(),
     )  # fmt: skip
+
+
+def voice_from_samples(
+    model: CosyVoice2Model,
+    clip: Clip,
+    transcript: str | None,
+    voice_id: str | None = None,
+    *,
+    name: str = "",
+    source: VoiceSource = "memory",
+) -> Voice:
+    """Zero-shot voice from a prompt clip and its transcript (cosyvoice.md §2.4-2.5); without a
+    transcript, a cross-lingual voice (the flow gets the prompt, the LLM none). All on this thread."""
+    features = voice_features(model, clip, transcript, voice_id, name=name)
+    return voice_install(model, features, source=source)
 
 
 def voice_from_wav(
@@ -405,11 +468,28 @@ class VoiceBook:
         self, clip: Clip, transcript: str | None, voice_id: str | None = None, name: str = ""
     ) -> Voice:
         """A zero-shot (or, without transcript, cross-lingual) voice from a checked clip; persisted."""
+        return self.install(self.prepare(clip, transcript, voice_id, name))
+
+    def prepare(
+        self,
+        clip: Clip,
+        transcript: str | None,
+        voice_id: str | None = None,
+        name: str = "",
+        prep: TextPrep | None = None,
+    ) -> VoiceFeatures:
+        """The clip's features for `install` (any thread: the model's feature extractors only)."""
         if voice_id is None:
             voice_id = self._free_id(name)
         elif voice_id in self.ids():
             raise VoiceExistsError(f"voice {voice_id!r} already exists")
-        return self.add(voice_from_samples(self.model, clip, transcript, voice_id, name=name))
+        return voice_features(self.model, clip, transcript, voice_id, name=name, prep=prep)
+
+    def install(self, features: VoiceFeatures) -> Voice:
+        """Engine thread: the voice's model state from prepared features; persisted and listed."""
+        if features.voice_id is not None and features.voice_id in self.ids():  # registered meanwhile
+            raise VoiceExistsError(f"voice {features.voice_id!r} already exists")
+        return self.add(voice_install(self.model, features))
 
     def _free_id(self, name: str) -> str:
         stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", name.strip().lower()).strip("-._")[:48] or "voice"

@@ -178,7 +178,7 @@ class Cv2State:
         nxt = self.t2w.next_chunk() if self.t2w is not None else None
         return Decode(*nxt) if nxt is not None else Decode()
 
-    def _final_or_next(self, has_next: bool) -> Work:
+    def _final_or_next(self, has_next: bool) -> Work | None:
         """The segment's LLM is over: its final chunk, then the next segment (or the end)."""
         if self.t2w is not None and (advance := self.t2w.final_advance()) is not None:
             return FlowChunk(advance, final=True)

@@ -41,6 +41,7 @@ from voicertc.backends.cosyvoice.voice.features import (
 )
 from voicertc.backends.cosyvoice.voice.text import text_normalize
 from voicertc.backends.cosyvoice.voice.text_prep import TextPrep
+from voicertc.backends.cosyvoice.voice.voice_caches import VoiceCaches
 from voicertc.errors import InputError, UnknownVoiceError
 from voicertc.voice_ids import VOICE_ID, check_voice_id, voice_id_of, voice_path
 
@@ -72,11 +73,20 @@ class Voice:
     flow_prompt_tokens: Tensor  # [1, p] int
     prompt_feat: Tensor  # [1, 2p, 80] prompt mel
     embedding: Tensor  # [1, 192] CAM++ speaker vector
-    flow_state: FlowStreamState  # after the prompt; clone() per utterance
-    prefix: PrefixCache  # LLM KV cache of [sos, prompt text]
+    caches: VoiceCaches  # the flow state after the prompt and the LLM prefix, built on first use
     name: str = ""
     source: VoiceSource = "memory"
     created_s: float = 0.0  # unix time of registration (0 = unknown)
+
+    @property
+    def flow_state(self) -> FlowStreamState:
+        """The flow state after the prompt (built on first use; clone() per utterance)."""
+        return self.caches.flow_state
+
+    @property
+    def prefix(self) -> PrefixCache:
+        """The LLM KV cache of [sos, prompt text] (built on first use)."""
+        return self.caches.prefix
 
     @property
     def prompt_tokens(self) -> int:
@@ -110,21 +120,17 @@ def voice_from_features(
     name: str = "",
     source: VoiceSource = "memory",
     created_s: float = 0.0,
+    lazy: bool = False,
 ) -> Voice:
     """A voice from prompt speech tokens [1, p], prompt mel [1, 2p, 80] and embedding [1, 192].
 
     Without `prompt_text_tokens` the LLM gets no prompt at all (its prompt speech would have no
     transcript to align with: cross-lingual); the flow still uses the prompt. `llm_prompt_tokens`
-    defaults to the flow prompt tokens (the reference trims both alike)."""
+    defaults to the flow prompt tokens (the reference trims both alike). `lazy`: the prompt caches
+    (flow state, LLM prefix) are built when an utterance first needs them, not now."""
     tokens = torch.as_tensor(prompt_tokens).reshape(1, -1).to(torch.long)
     feat = torch.as_tensor(prompt_feat, dtype=torch.float32)
     embedding = torch.as_tensor(embedding, dtype=torch.float32).reshape(1, -1)
-    try:
-        flow_state = model.flow.init_stream(
-            tokens.to(model.device), feat.to(model.device), embedding.to(model.device)
-        )
-    except ValueError as exc:
-        raise InputError(f"bad voice prompt: {exc}") from exc
     try:
         text_ids = () if prompt_text_tokens is None else tuple(model.llm.check_text_ids(prompt_text_tokens))
         llm_source = (
@@ -135,6 +141,12 @@ def voice_from_features(
         raise InputError(f"bad voice prompt: {exc}") from exc
     if kind is None:
         kind = "zero_shot" if text_ids else ("sft" if tokens.shape[1] == 0 else "cross_lingual")
+    caches = VoiceCaches(
+        lambda: _prompt_flow_state(model, tokens, feat, embedding),
+        lambda: model.llm.prefix_cache(list(text_ids)),
+    )
+    if not lazy:
+        caches.build()
     return Voice(
         voice_id=check_voice_id(voice_id or f"voice-{uuid.uuid4().hex[:8]}"),
         kind=kind,
@@ -144,12 +156,22 @@ def voice_from_features(
         flow_prompt_tokens=tokens.cpu(),
         prompt_feat=feat.cpu(),
         embedding=embedding.cpu(),
-        flow_state=flow_state,
-        prefix=model.llm.prefix_cache(list(text_ids)),
+        caches=caches,
         name=name,
         source=source,
         created_s=created_s,
     )
+
+
+def _prompt_flow_state(
+    model: CosyVoice2Model, tokens: Tensor, feat: Tensor, embedding: Tensor
+) -> FlowStreamState:
+    try:
+        return model.flow.init_stream(
+            tokens.to(model.device), feat.to(model.device), embedding.to(model.device)
+        )
+    except ValueError as exc:
+        raise InputError(f"bad voice prompt: {exc}") from exc
 
 
 def sft_voice(model: CosyVoice2Model, voice_id: str, info: Mapping[str, object]) -> Voice:
@@ -387,6 +409,7 @@ class VoiceStore:
             text_ids if t["llm_prompt_tokens"].numel() else None, voice_id,
             prompt_text=str(meta.get("prompt_text", "")), llm_prompt_tokens=t["llm_prompt_tokens"],
             name=str(meta.get("name", "")), source="store", created_s=float(meta.get("created_s", 0.0)),
+            lazy=True,
         )  # fmt: skip
         return voice
 
@@ -446,6 +469,12 @@ class VoiceBook:
                 f"unknown voice {voice_id!r}; available: {', '.join(self.ids()) or 'none'}"
             )
         return voice
+
+    def cache_bytes(self) -> int:
+        """Bytes the voices' prompt caches hold now (voices never used hold none)."""
+        with self._lock:
+            voices = list(self._voices.values())
+        return sum(voice.caches.nbytes() for voice in voices)
 
     def describe(self) -> list[dict[str, object]]:
         with self._lock:
@@ -513,7 +542,8 @@ class VoiceBook:
             if self.store is not None:
                 self.store.delete(voice_id)
             del self._voices[voice_id]
-        logger.info("voice %s deleted", voice_id)
+        freed = voice.caches.nbytes()  # returned once no utterance of the voice is left
+        logger.info("voice %s deleted (%.1f MB of prompt caches)", voice_id, freed / 1e6)
 
 
 class VoiceExistsError(InputError):

@@ -260,6 +260,10 @@ async def main(args: argparse.Namespace) -> None:
         rss_end = rss_mb(pid)
         steps = results[-1]["engine_steps"]
     pieces = [m.group(1) for line in log if (m := re.search(r"pieces of at most (\d+) phonemes", line))]
+    over_by_stage: dict[str, list[float]] = {}  # the engine logs an utterance's first over-budget step
+    for line in log:
+        if m := re.search(r"an engine step took (\d+) ms \((\w+);", line):
+            over_by_stage.setdefault(m.group(2), []).append(float(m.group(1)))
     table_rows, record = rows(results, max_step_ms, pathological)
     print(table(table_rows, list(table_rows[1])))  # noqa: T201 - benchmark output
     summary_line = {
@@ -268,6 +272,7 @@ async def main(args: argparse.Namespace) -> None:
         "longest_step_cpu_ms": round(steps["longest_cpu_ms"], 1),
         "steps_over_budget": f"{steps['over_budget']:.0f}/{steps['steps']:.0f}",
         "server_rss_mb": f"{rss_start:.0f} -> {rss_end:.0f}",
+        "over_budget_by_stage": {k: f"{len(v)} x, max {max(v):.0f} ms" for k, v in over_by_stage.items()},
         "loadavg": os.getloadavg(),
     }
     print(summary_line)  # noqa: T201
@@ -285,6 +290,7 @@ async def main(args: argparse.Namespace) -> None:
             "longest_step_ms": steps["longest_ms"],
             "longest_step_cpu_ms": steps["longest_cpu_ms"],
             "engine_steps": steps,
+            "over_budget_ms_by_stage": over_by_stage,
             "server_rss_mb": {"start": rss_start, "end": rss_end},
             "summary": record,
             "raw": results,

@@ -519,7 +519,7 @@ class EngineWorker:
             utt = job.utt
             if not self._live(utt):
                 continue
-            self._observe_step(utt, share_s, model_s, over)
+            self._observe_step(utt, share_s, model_s, over, stage_name(job.work))
             if isinstance(result, BaseException):
                 self._fail(utt, result)
                 continue
@@ -560,17 +560,19 @@ class EngineWorker:
         except Exception as exc:  # noqa: BLE001 - isolated per utterance
             self._fail(utt, exc)
 
-    def _observe_step(self, utt: Utterance, share_s: float, step_s: float, over: bool) -> None:
-        """`utt` took part in a batch step of `step_s` (its share: `share_s`); `over` = past max_step_ms."""
+    def _observe_step(self, utt: Utterance, share_s: float, step_s: float, over: bool, stage: str) -> None:
+        """`utt` took part in a `stage` batch step of `step_s` (its share: `share_s`); `over` = past
+        max_step_ms (logged once per utterance, naming the stage)."""
         utt.add_metric("synth_s", share_s)
         step_ms = 1000.0 * step_s
         over_before = utt.metrics.get("max_step_ms", 0.0) > self.step_stats.max_step_ms
         utt.metrics["max_step_ms"] = max(utt.metrics.get("max_step_ms", 0.0), step_ms)
         if over and not over_before:
             logger.warning(
-                "utterance %s: an engine step took %.0f ms (engine.max_step_ms = %.0f)",
+                "utterance %s: an engine step took %.0f ms (%s; engine.max_step_ms = %.0f)",
                 utt.utterance_id,
                 step_ms,
+                stage,
                 self.step_stats.max_step_ms,
             )
 

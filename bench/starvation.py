@@ -250,6 +250,8 @@ async def main(args: argparse.Namespace) -> None:
             from bench.make_tiny_model_dir import make_tiny_model_dir
 
             model_dir = str(make_tiny_model_dir(Path(tempfile.mkdtemp(prefix="cv2-tiny-"))))
+    if args.only:
+        pathological = {k: v for k, v in pathological.items() if k in args.only.split(",")}
     config = server_config(args, model_dir)
     log: deque[str] = deque(maxlen=2000)
     results = []
@@ -311,4 +313,5 @@ if __name__ == "__main__":
     parser.add_argument("--speed", type=float, default=1.0, help="B's speak speed (cosyvoice2)")
     parser.add_argument("--text-workers", type=int, default=1, help="engine.text_workers (cosyvoice2)")
     parser.add_argument("--out", default="starvation", help="results file name under bench/results/")
+    parser.add_argument("--only", default="", help="comma-separated text names to run (default: all)")
     asyncio.run(main(parser.parse_args()))

@@ -192,3 +192,41 @@ def test_an_overlong_transcript_is_refused_before_any_work(engine, model):
     finally:
         model._speech_tokenizer = extractor
     assert calls == []
+
+
+def _speak(engine: EngineWorker, text: str) -> tuple[Done, np.ndarray]:
+    log, sink = EventLog(), RecordingSink()
+    uid = engine.open_utterance(GOLDEN_VOICE, sink, log, "same-id")  # same id: same seed, same tokens
+    engine.push_text(uid, text)
+    engine.end_input(uid)
+    log.wait_terminal([uid], 180)
+    done = log.of(uid)[-1]
+    assert isinstance(done, Done), done
+    return done, sink.samples(uid)
+
+
+def test_text_prepared_in_a_process_speaks_exactly_as_prepared_inline(engine, model, golden_dir):
+    text = "I have 3 apples. They cost 25 dollars, which is a lot! Do you agree?"
+    inline = EngineWorker(make_backend(model, golden_dir, max_segment_tokens=50), name="cv2-inline")
+    inline.start()
+    try:
+        _, expected = _speak(inline, text)
+    finally:
+        inline.stop()
+    done, pooled = _speak(engine, text)
+    assert done.metrics["text_prep_cpu_s"] > 0  # prepared by the text process
+    assert expected.size > 0 and np.array_equal(pooled, expected)
+
+
+def test_text_arriving_as_deltas_is_prepared_in_the_process_and_spoken(engine):
+    deltas = ["I have 3 app", "les. They cost ", "25 dollars, which is a lot! ", "Do you agree?"]
+    log, sink = EventLog(), RecordingSink()
+    uid = engine.open_utterance(GOLDEN_VOICE, sink, log)
+    for piece in deltas:
+        engine.push_text(uid, piece)
+    log.wait_for(uid, FirstAudio, 120)  # speech starts before the text ends (bistream)
+    engine.end_input(uid)
+    log.wait_terminal([uid], 180)
+    done = log.of(uid)[-1]
+    assert isinstance(done, Done), done
+    assert done.metrics["text_prep_cpu_s"] > 0 and sink.samples(uid).size > 0

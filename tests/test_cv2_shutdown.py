@@ -36,7 +36,8 @@ def test_stop_ends_the_engine_thread_within_its_timeout_whatever_it_was_doing(
     model, golden_dir, tmp_path, caplog
 ):
     backend = make_backend(
-        model, golden_dir, tmp_path / "voices", text_workers=1, max_segment_tokens=600, speed_window_tokens=100
+        model, golden_dir, tmp_path / "voices",
+        text_workers=1, max_segment_tokens=600, speed_window_tokens=100,
     )  # fmt: skip
     engine = EngineWorker(backend, name="cv2-shutdown")
     engine.start()

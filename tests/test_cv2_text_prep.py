@@ -230,3 +230,23 @@ def test_text_arriving_as_deltas_is_prepared_in_the_process_and_spoken(engine):
     done = log.of(uid)[-1]
     assert isinstance(done, Done), done
     assert done.metrics["text_prep_cpu_s"] > 0 and sink.samples(uid).size > 0
+
+
+def test_inline_a_long_text_is_prepared_one_bounded_job_per_step(model, golden_dir):
+    """`text_workers = 0`: the jobs run on the engine thread, but one per step (1,000 characters)."""
+    engine = EngineWorker(make_backend(model, golden_dir, max_segment_tokens=20), name="cv2-inline-jobs")
+    engine.start()
+    try:
+        log = EventLog()
+        uid = engine.open_utterance(GOLDEN_VOICE, RecordingSink(), log)
+        engine.push_text(uid, LONG_DIGITS)
+        engine.end_input(uid)
+        log.wait_terminal([uid], 180)
+        done = log.of(uid)[-1]
+        assert isinstance(done, Done), done
+        assert done.metrics["text_prep_cpu_s"] > 0  # five jobs, all on the engine thread
+        whole_s = InlineTextPrep(model.text_frontend.encode).submit(LONG_DIGITS, True).result().cpu_s
+        longest_s = engine.step_stats.longest_cpu_ms / 1000
+        assert longest_s < whole_s / 2, (longest_s, whole_s)  # the text as one job: one step of whole_s
+    finally:
+        engine.stop()

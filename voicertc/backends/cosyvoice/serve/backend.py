@@ -365,31 +365,28 @@ class CosyVoice2Backend:
         utt.add_metric("frontend_s", time.perf_counter() - started)
 
     def _pump_text(self, utt: Utterance[Cv2State], st: Cv2State) -> None:
-        """Install finished preparation jobs in order and submit the next (one in flight at a time)."""
+        """Submit the next preparation job if none is in flight, and install it once finished: one job
+        per unit (run inline, a job is then one bounded step) and one in flight per utterance, so
+        utterances sharing the pool take turns."""
         pending = st.pending
-        while True:
-            if pending.inflight is not None:
-                if not pending.inflight.done():
-                    return
-                prepared = pending.take()
-                if prepared.fell_back:
-                    logger.warning(
-                        "utterance %s: text normalisation failed; using the raw text", utt.utterance_id
-                    )
-                utt.add_metric("text_prep_cpu_s", prepared.cpu_s)
-                for text, ids in prepared.pieces:
-                    if st.mode == "whole":
-                        assert st.segments is not None and st.segment_texts is not None
-                        st.segments.append(list(ids))
-                        st.segment_texts.append(text)
-                    elif st.bistream is not None:
-                        st.bistream.push_text(list(ids))
-            if not pending.waiting:
-                return
+        if pending.inflight is None and pending.waiting:
             text, split = pending.waiting.popleft()
             pending.inflight = self.text_prep.submit(text, split)
             if not pending.inflight.done():
                 pending.inflight.add_done_callback(lambda _done: self._wake())
+        if pending.inflight is None or not pending.inflight.done():
+            return
+        prepared = pending.take()
+        if prepared.fell_back:
+            logger.warning("utterance %s: text normalisation failed; using the raw text", utt.utterance_id)
+        utt.add_metric("text_prep_cpu_s", prepared.cpu_s)
+        for text, ids in prepared.pieces:
+            if st.mode == "whole":
+                assert st.segments is not None and st.segment_texts is not None
+                st.segments.append(list(ids))
+                st.segment_texts.append(text)
+            elif st.bistream is not None:
+                st.bistream.push_text(list(ids))
 
     def _normalize(self, utt: Utterance[Cv2State], text: str, split: bool) -> list[str]:
         """The official normalisation (+ split); text with nothing to say gives no pieces."""

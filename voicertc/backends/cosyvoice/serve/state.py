@@ -62,8 +62,10 @@ class PendingText:
         return bool(self.waiting) or self.inflight is not None
 
     def ready(self) -> bool:
-        """A job finished: its result waits to be installed (a `Frontend` unit)."""
-        return self.inflight is not None and self.inflight.done()
+        """A `Frontend` unit has work: a finished job's result to install, or the next job to submit."""
+        if self.inflight is None:
+            return bool(self.waiting)
+        return self.inflight.done()
 
     def take(self) -> PreparedText:
         """The finished job's result (raises what the job raised)."""

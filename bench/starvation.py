@@ -64,6 +64,19 @@ def rss_mb(pid: int) -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / MB
 
 
+def children_rss_mb(pid: int) -> float:
+    """RSS of the server's child processes (CosyVoice2's text processes), MB."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                total += rss_mb(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue  # a process that ended meanwhile
+    return total
+
+
 async def engine_steps(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
     """The engine's step counters from /metrics: steps, longest_ms, over_budget."""
     async with http.get(f"{url}/metrics") as resp:
@@ -260,6 +273,7 @@ async def main(args: argparse.Namespace) -> None:
         for _ in range(runs):
             results.append(await one_run(url, pid, count, pathological, args.speed))
         rss_end = rss_mb(pid)
+        children_end = children_rss_mb(pid)
         steps = results[-1]["engine_steps"]
     pieces = [m.group(1) for line in log if (m := re.search(r"pieces of at most (\d+) phonemes", line))]
     over_by_stage: dict[str, list[float]] = {}  # the engine logs an utterance's first over-budget step
@@ -274,6 +288,7 @@ async def main(args: argparse.Namespace) -> None:
         "longest_step_cpu_ms": round(steps["longest_cpu_ms"], 1),
         "steps_over_budget": f"{steps['over_budget']:.0f}/{steps['steps']:.0f}",
         "server_rss_mb": f"{rss_start:.0f} -> {rss_end:.0f}",
+        "children_rss_mb": round(children_end),
         "over_budget_by_stage": {k: f"{len(v)} x, max {max(v):.0f} ms" for k, v in over_by_stage.items()},
         "loadavg": os.getloadavg(),
     }
@@ -293,7 +308,7 @@ async def main(args: argparse.Namespace) -> None:
             "longest_step_cpu_ms": steps["longest_cpu_ms"],
             "engine_steps": steps,
             "over_budget_ms_by_stage": over_by_stage,
-            "server_rss_mb": {"start": rss_start, "end": rss_end},
+            "server_rss_mb": {"start": rss_start, "end": rss_end, "children_end": children_end},
             "summary": record,
             "raw": results,
         },

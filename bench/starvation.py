@@ -57,6 +57,7 @@ LONG = {  # issue 24: what froze the CosyVoice2 server (wetext on the engine thr
     "prose_15k": ("The quick brown fox jumps over the lazy dog while the band plays on. " * 220)[:15000],
 }
 MB = 1024 * 1024
+WAIT_S = 300.0  # one utterance heard, at most (the tiny CosyVoice2 on a loaded 2-core VM is slow)
 
 
 def rss_mb(pid: int) -> float:
@@ -101,7 +102,7 @@ async def underruns(peer: HttpPeer) -> int:
 async def speak_and_wait(peer: HttpPeer, text: str) -> dict[str, Any]:
     """Speak `text`, wait until it played; its `speech.started` event (or an error event)."""
     utterance_id = await peer.speak(text)
-    end = await wait_terminal(peer, utterance_id, timeout_s=120.0)
+    end = await wait_terminal(peer, utterance_id, timeout_s=WAIT_S)
     if end["type"] != "speech.done":
         return end
     return next(e for e in peer.events if e["type"] == "speech.started" and e["utterance_id"] == utterance_id)
@@ -141,12 +142,12 @@ async def under_text(
     rss_before, steps_before = rss_mb(pid), await engine_steps(http, url)
     a_under0, b_under0 = await underruns(a), await underruns(b)
     first_id = await a.speak(next(texts))  # A is already speaking when B's text arrives
-    first_started = await a.wait_event("speech.started", first_id, timeout_s=60.0)
+    first_started = await a.wait_event("speech.started", first_id, timeout_s=WAIT_S)
     healthz = [0.0]
     probe = asyncio.create_task(healthz_longest(http, url, healthz))
     try:
         b_id = await (b.speak(text, speed=speed) if speed != 1.0 else b.speak(text))
-        await wait_terminal(a, first_id, timeout_s=120.0)
+        await wait_terminal(a, first_id, timeout_s=WAIT_S)
         ttfa = [float(first_started["ttfa_ms"])] + await a_speaks(a, texts, count)
     finally:
         probe.cancel()

@@ -30,6 +30,7 @@ from typing import Protocol
 
 from voicertc.backends.cosyvoice.voice.text import TextFrontend, text_normalize
 from voicertc.engine.text_chunks import has_speech, next_text_chunk
+from voicertc.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +131,14 @@ class ProcessTextPrep:
         self.workers = max(1, workers)
         self._lock = threading.Lock()
         self._pool = self._new_pool()
-        self.submit("warm up.", split=True).result()  # the processes are up before the engine is ready
+        try:
+            self.submit("warm up.", split=True).result()  # the processes are up before the engine is ready
+        except BrokenProcessPool as exc:
+            self.close()
+            raise ConfigError(
+                "engine.text_workers: the text processes could not start (a script that builds the engine "
+                "needs an `if __name__ == '__main__':` guard, as Python's spawn requires; or set 0)"
+            ) from exc
 
     def _new_pool(self) -> ProcessPoolExecutor:
         return ProcessPoolExecutor(

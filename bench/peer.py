@@ -153,10 +153,10 @@ class HttpPeer:
         if self.channel.readyState != "open":
             await asyncio.wait_for(opened.wait(), timeout_s)
 
-    async def speak(self, text: str) -> str:
-        """`POST /v1/calls/{id}/speak`; returns the utterance id."""
+    async def speak(self, text: str, **options: object) -> str:
+        """`POST /v1/calls/{id}/speak` (speak options such as `speed` as keywords); the utterance id."""
         url = f"{self.base_url}/v1/calls/{self.call_id}/speak"
-        async with self.http.post(url, json={"text": text}) as resp:
+        async with self.http.post(url, json={"text": text, **options}) as resp:
             if resp.status != 202:
                 raise RuntimeError(f"speak -> {resp.status}: {await resp.text()}")
             return str((await resp.json())["utterance_id"])

@@ -124,6 +124,7 @@ class EngineConfig:
     graph_memory_mb: int = 0  # captured buckets' memory, all stages together (0 = a quarter of the card)
     llm: str = "torch"
     accel_dir: str = ""
+    text_workers: int = 1  # CosyVoice text normalisation processes (0 = on the engine thread)
 
     @property
     def model_name(self) -> str:
@@ -155,6 +156,7 @@ class EngineConfig:
         ok_piece = self.piper_piece_phonemes == 0 or 8 <= self.piper_piece_phonemes <= 2000
         _check(ok_piece, "engine.piper_piece_phonemes", "must be 0 (sized from max_step_ms) or 8..2000")
         _check(1 <= self.max_batch <= 256, "engine.max_batch", "must be 1..256")
+        _check(0 <= self.text_workers <= 16, "engine.text_workers", "must be 0..16")
         _check(
             self.estimator in ("torch", "onnx", "tensorrt"),
             "engine.estimator",

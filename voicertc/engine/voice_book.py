@@ -28,6 +28,15 @@ class BackendVoiceBook(Protocol):
         """A zero-shot voice from a decoded clip; InputError / VoiceExistsError name the problem."""
         ...
 
+    def prepare_clip(self, clip: Clip, transcript: str | None, voice_id: str | None, name: str) -> object:
+        """Off the engine thread (the worker's voice-preparation thread): the clip's features, for
+        `install_voice`; no engine state is touched."""
+        ...
+
+    def install_voice(self, prepared: object) -> VoiceInfo:
+        """Engine thread: the prepared voice's model state, listed and persisted; its description."""
+        ...
+
     def delete_voice(self, voice_id: str) -> None: ...
 
 
@@ -66,6 +75,14 @@ def register_voice(
     if book is None:
         raise NotSupportedError(f"registering voices is not supported by this engine ({backend.name})")
     return book.register_clip(clip, transcript, voice_id, name)
+
+
+def voice_book_of(backend: HasVoices) -> BackendVoiceBook:
+    """The backend's voice book; NotSupportedError when it cannot register voices."""
+    book = backend.voice_book
+    if book is None:
+        raise NotSupportedError(f"registering voices is not supported by this engine ({backend.name})")
+    return book
 
 
 def delete_voice(backend: HasVoices, voice_id: str) -> None:

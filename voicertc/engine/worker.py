@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -147,6 +147,7 @@ class EngineWorker:
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._voice_prep: ThreadPoolExecutor | None = None  # one thread: voice features off the engine
         self.stats = {"utterances": 0, "done": 0, "cancelled": 0, "failed": 0}
 
     # --- thread-safe API -------------------------------------------------------------------------
@@ -175,6 +176,9 @@ class EngineWorker:
                 return
             self._accepting = False
             self._queue.put(Stop())
+            if self._voice_prep is not None:
+                self._voice_prep.shutdown(wait=False, cancel_futures=True)
+                self._voice_prep = None
         thread.join(timeout_s)
         if thread.is_alive():
             logger.error("engine %s did not stop within %.0f s", self.name, timeout_s)
@@ -294,7 +298,35 @@ class EngineWorker:
     def register_voice(
         self, clip: Clip, transcript: str | None, voice_id: str | None, name: str
     ) -> Future[VoiceInfo]:
-        return self.submit_command(lambda b: voice_book.register_voice(b, clip, transcript, voice_id, name))
+        """The clip's features on the voice-preparation thread (feature extractors release the GIL; the
+        transcript goes to the backend's text processes), then only the install as an engine command."""
+        backend = self.backend
+        if backend is None or backend.voice_book is None or not self.running:
+            return self.submit_command(
+                lambda b: voice_book.register_voice(b, clip, transcript, voice_id, name)
+            )
+        book = backend.voice_book
+        answer: Future[VoiceInfo] = Future()
+
+        def prepared(done: Future[object]) -> None:
+            if answer.done():  # the caller gave up (a client that went away)
+                return
+            if done.cancelled():
+                answer.set_exception(EngineStoppedError(f"engine {self.name} stopped"))
+            elif (exc := done.exception()) is not None:
+                answer.set_exception(exc)
+            else:
+                features = done.result()
+                _chain(self.submit_command(lambda _backend: book.install_voice(features)), answer)
+
+        with self._lifecycle_lock:
+            if self._voice_prep is None:
+                self._voice_prep = ThreadPoolExecutor(
+                    1, thread_name_prefix=f"voicertc-{self.name}-voice-prep"
+                )
+            job = self._voice_prep.submit(book.prepare_clip, clip, transcript, voice_id, name)
+        job.add_done_callback(prepared)
+        return answer
 
     def delete_voice(self, voice_id: str) -> Future[None]:
         return self.submit_command(lambda b: voice_book.delete_voice(b, voice_id))
@@ -487,7 +519,7 @@ class EngineWorker:
             utt = job.utt
             if not self._live(utt):
                 continue
-            self._observe_step(utt, share_s, model_s, over)
+            self._observe_step(utt, share_s, model_s, over, stage_name(job.work))
             if isinstance(result, BaseException):
                 self._fail(utt, result)
                 continue
@@ -530,17 +562,19 @@ class EngineWorker:
         except Exception as exc:  # noqa: BLE001 - isolated per utterance
             self._fail(utt, exc)
 
-    def _observe_step(self, utt: Utterance, share_s: float, step_s: float, over: bool) -> None:
-        """`utt` took part in a batch step of `step_s` (its share: `share_s`); `over` = past max_step_ms."""
+    def _observe_step(self, utt: Utterance, share_s: float, step_s: float, over: bool, stage: str) -> None:
+        """`utt` took part in a `stage` batch step of `step_s` (its share: `share_s`); `over` = past
+        max_step_ms (logged once per utterance, naming the stage)."""
         utt.add_metric("synth_s", share_s)
         step_ms = 1000.0 * step_s
         over_before = utt.metrics.get("max_step_ms", 0.0) > self.step_stats.max_step_ms
         utt.metrics["max_step_ms"] = max(utt.metrics.get("max_step_ms", 0.0), step_ms)
         if over and not over_before:
             logger.warning(
-                "utterance %s: an engine step took %.0f ms (engine.max_step_ms = %.0f)",
+                "utterance %s: an engine step took %.0f ms (%s; engine.max_step_ms = %.0f)",
                 utt.utterance_id,
                 step_ms,
+                stage,
                 self.step_stats.max_step_ms,
             )
 
@@ -652,3 +686,19 @@ class EngineWorker:
         except Exception:
             logger.exception("engine %s: backend close failed", self.name)
         logger.info("engine %s stopped", self.name)
+
+
+def _chain(source: Future[T], target: Future[T]) -> None:
+    """`target` gets `source`'s result or error when it has one."""
+
+    def copy(done: Future[T]) -> None:
+        if target.done():  # the caller gave up (a client that went away)
+            return
+        if done.cancelled():
+            target.cancel()
+        elif (exc := done.exception()) is not None:
+            target.set_exception(exc)
+        else:
+            target.set_result(done.result())
+
+    source.add_done_callback(copy)

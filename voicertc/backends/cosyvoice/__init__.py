@@ -8,7 +8,8 @@ Floor plan (data flows down the list: text -> speech_tokens -> mel -> wav -> pcm
     voice/   text and prompt audio -> what the LLM and flow need   (every function takes the model)
              text.py / text_v3.py (tokenizer, normalisation, sentence streams), features.py /
              features_v3.py (fbank, mel), onnx_frontends.py (speech tokenizer, CAM++), voices.py
-             (Voice, VoiceBook, VoiceStore), frontend_checks.py (smoke-run at start)
+             (Voice, VoiceBook, VoiceStore), voice_caches.py (prompt caches built on first use, bytes),
+             text_prep.py (normalise + tokenise in spawned processes), frontend_checks.py (smoke-run)
     llm/     text tokens -> speech tokens (25 Hz)
              qwen2lm.py (v2) / v3.py, kv.py (SlotKV, KVSlot), batch.py (decode_batch), bistream.py
              (text deltas in), streamer.py (the LLM on another thread), graphs.py (CUDA-graph decode),

@@ -56,7 +56,19 @@ from voicertc.backends.cosyvoice.serve.state import Cv2State, FlowedChunk
 from voicertc.backends.cosyvoice.serve.streams import token2wav_stream
 from voicertc.backends.cosyvoice.serve.token2wav import Chunk, Token2WavStream
 from voicertc.backends.cosyvoice.voice.text import text_normalize
-from voicertc.backends.cosyvoice.voice.voices import Voice, VoiceBook, VoiceStore, voice_from_features
+from voicertc.backends.cosyvoice.voice.text_prep import (
+    DEFAULT_CHUNK_CHARS,
+    ProcessTextPrep,
+    prep_chunks,
+    text_prep_for,
+)
+from voicertc.backends.cosyvoice.voice.voices import (
+    Voice,
+    VoiceBook,
+    VoiceFeatures,
+    VoiceStore,
+    voice_from_features,
+)
 from voicertc.config import Config, EngineConfig
 from voicertc.engine.backend import Backend, StepResult, SynthStep
 from voicertc.engine.schedule import ChunkSchedule
@@ -88,6 +100,8 @@ class BackendOptions:
     graph_memory_mb: float = 0.0  # flow + vocoder buckets together (0 = a quarter of the card)
     static_steps: bool = False  # flow + vocoder through the static-shape path without capture (CPU tests)
     graph_warm_keys: int = 1024  # flow histories (frames) whose buckets are captured at start (CUDA)
+    text_workers: int = 0  # text preparation processes ([engine] text_workers; 0 = on the engine thread)
+    prep_chars: int = DEFAULT_CHUNK_CHARS  # one text preparation job at most, in characters
 
 
 Cv2Job = Job[Cv2State]
@@ -126,6 +140,7 @@ class CosyVoice2Backend:
             "decode_batches": 0, "decode_rows": 0, "vocode_batches": 0,
         }  # fmt: skip
         text_normalize("warm up.", lambda s: [0] * len(s))  # loads the normaliser grammars now, not later
+        self.text_prep = text_prep_for(model.text_frontend, self.options.text_workers)
 
     def bind_wake(self, wake: Callable[[], None]) -> None:
         """The worker's wake-up (any thread): a streamed token makes an utterance runnable."""
@@ -173,6 +188,19 @@ class CosyVoice2Backend:
     ) -> dict[str, object]:
         """Engine thread (an engine command): a zero-shot voice from a checked clip; its description."""
         return self.book.register(clip, transcript, voice_id, name).describe()
+
+    def prepare_clip(
+        self, clip: Clip, transcript: str | None, voice_id: str | None = None, name: str = ""
+    ) -> VoiceFeatures:
+        """Any thread but the engine's: the clip's features, its transcript through the text pool."""
+        prep = self.text_prep if isinstance(self.text_prep, ProcessTextPrep) else None
+        return self.book.prepare(clip, transcript, voice_id, name, prep)
+
+    def install_voice(self, prepared: object) -> dict[str, object]:
+        """Engine thread (an engine command): the voice of `prepare_clip`'s features; its description."""
+        if not isinstance(prepared, VoiceFeatures):
+            raise TypeError(f"not prepared voice features: {type(prepared).__name__}")
+        return self.book.install(prepared).describe()
 
     def voice_infos(self) -> list[dict[str, object]]:
         return self.book.describe()
@@ -304,6 +332,7 @@ class CosyVoice2Backend:
             self.graphs = None
         if self.streamer is not None:
             self.streamer.stop()
+        self.text_prep.close()
 
     @staticmethod
     def _state(job: Cv2Job) -> Cv2State:
@@ -332,28 +361,52 @@ class CosyVoice2Backend:
             return exc
 
     def _frontend(self, utt: Utterance[Cv2State], st: Cv2State) -> None:
+        """Hand new text to the preparation pool and install what it sent back (`voice/text_prep.py`;
+        with `text_workers` > 0 the engine thread never normalises or tokenises text itself)."""
         started = time.perf_counter()
-        encode = self.model.text_frontend.encode
         texts = st.take_text(utt)
-        if st.mode == "whole":
-            pieces = self._normalize(utt, texts[0], split=True)
-            encoded = [(ids, p) for p in pieces if (ids := encode(p))]
-            st.segments = deque(ids for ids, _ in encoded)
-            st.segment_texts = deque(p for _, p in encoded)
-        else:
-            if st.bistream is None:
-                st.bistream = BistreamSession.start(
-                    self.model.llm, st.prompt.text_ids, st.prompt.speech_ids,
-                    sampling=self.options.sampling, generator=st.llm_generator, kv=self.kv.acquire(),
-                )  # fmt: skip
-                st.t2w = self._open_t2w(st)
-            for sentence in texts:
-                for text in self._normalize(utt, sentence, split=False):
-                    st.bistream.push_text(encode(text))
-            if utt.input_ended and not st.text_ended:
-                st.bistream.end_text()
-                st.text_ended = True
+        if st.mode == "whole" and st.segments is None:
+            st.segments, st.segment_texts = deque(), deque()
+        elif st.mode == "deltas" and st.bistream is None:
+            st.bistream = BistreamSession.start(
+                self.model.llm, st.prompt.text_ids, st.prompt.speech_ids,
+                sampling=self.options.sampling, generator=st.llm_generator, kv=self.kv.acquire(),
+            )  # fmt: skip
+            st.t2w = self._open_t2w(st)
+        for text in texts:
+            st.pending.waiting.extend(
+                (c, st.mode == "whole") for c in prep_chunks(text, self.options.prep_chars)
+            )
+        self._pump_text(utt, st)
+        if st.mode == "deltas" and utt.input_ended and not st.text_ended and not st.pending.busy:
+            assert st.bistream is not None
+            st.bistream.end_text()
+            st.text_ended = True
         utt.add_metric("frontend_s", time.perf_counter() - started)
+
+    def _pump_text(self, utt: Utterance[Cv2State], st: Cv2State) -> None:
+        """Submit the next preparation job if none is in flight, and install it once finished: one job
+        per unit (run inline, a job is then one bounded step) and one in flight per utterance, so
+        utterances sharing the pool take turns."""
+        pending = st.pending
+        if pending.inflight is None and pending.waiting:
+            text, split = pending.waiting.popleft()
+            pending.inflight = self.text_prep.submit(text, split)
+            if not pending.inflight.done():
+                pending.inflight.add_done_callback(lambda _done: self._wake())
+        if pending.inflight is None or not pending.inflight.done():
+            return
+        prepared = pending.take()
+        if prepared.fell_back:
+            logger.warning("utterance %s: text normalisation failed; using the raw text", utt.utterance_id)
+        utt.add_metric("text_prep_cpu_s", prepared.cpu_s)
+        for text, ids in prepared.pieces:
+            if st.mode == "whole":
+                assert st.segments is not None and st.segment_texts is not None
+                st.segments.append(list(ids))
+                st.segment_texts.append(text)
+            elif st.bistream is not None:
+                st.bistream.push_text(list(ids))
 
     def _normalize(self, utt: Utterance[Cv2State], text: str, split: bool) -> list[str]:
         """The official normalisation (+ split); text with nothing to say gives no pieces."""
@@ -677,6 +730,7 @@ def create_backend(config: Config) -> CosyVoice2Backend:
         graph_rows=engine.max_batch,
         graph_memory_mb=engine.graph_memory_mb,
         max_segment_tokens=config.limits.max_speech_tokens_per_segment,
+        text_workers=engine.text_workers,
     )
     streamer = llm_streamer(model, engine)
     backend = CosyVoice2Backend(model, schedule, engine.voices_dir or None, options, streamer)

@@ -17,6 +17,7 @@ changes nothing. Text is taken from the utterance only by the `Frontend` unit.
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -30,6 +31,7 @@ from voicertc.backends.cosyvoice.llm.streamer import StreamedSession
 from voicertc.backends.cosyvoice.serve.modes import LlmPrompt
 from voicertc.backends.cosyvoice.serve.token2wav import ChunkPlan, Token2WavStream
 from voicertc.backends.cosyvoice.voice.text import SentenceStream
+from voicertc.backends.cosyvoice.voice.text_prep import PreparedText
 from voicertc.backends.cosyvoice.voice.voices import Voice
 from voicertc.engine.utterance import Utterance
 from voicertc.engine.work import Decode, Finish, FlowChunk, Frontend, Prefill, Vocode, Work
@@ -44,6 +46,38 @@ class FlowedChunk:
     plan: ChunkPlan
     mel: Tensor  # [1, 80, F]
     flow_s: float
+
+
+@dataclass
+class PendingText:
+    """Raw text waiting to be prepared (normalised + tokenised) off the engine thread, in order. At most
+    one job is in flight per utterance, so utterances sharing the preparation pool take turns."""
+
+    waiting: deque[tuple[str, bool]] = field(default_factory=deque)  # (text, split) not yet submitted
+    inflight: Future[PreparedText] | None = None
+
+    @property
+    def busy(self) -> bool:
+        """Text is still being prepared: the utterance must not end (or end its LLM's text) yet."""
+        return bool(self.waiting) or self.inflight is not None
+
+    def ready(self) -> bool:
+        """A `Frontend` unit has work: a finished job's result to install, or the next job to submit."""
+        if self.inflight is None:
+            return bool(self.waiting)
+        return self.inflight.done()
+
+    def take(self) -> PreparedText:
+        """The finished job's result (raises what the job raised)."""
+        assert self.inflight is not None and self.inflight.done()
+        future, self.inflight = self.inflight, None
+        return future.result()
+
+    def cancel(self) -> None:
+        self.waiting.clear()
+        if self.inflight is not None:
+            self.inflight.cancel()  # a job already running finishes in its process (one chunk at most)
+        self.inflight = None
 
 
 @dataclass
@@ -75,10 +109,12 @@ class Cv2State:
     llm_steps: int = 0  # LLM forwards of the current segment
     first_hop_at_s: float | None = None  # perf_counter when the first prefill finished
     first_hop_recorded: bool = False
+    pending: PendingText = field(default_factory=PendingText)  # text in preparation (text_prep.py)
 
     def release(self) -> None:
         """Drop every cache (KV slot, flow and HiFT state, the mel waiting for the vocoder)."""
         self.end_llm()
+        self.pending.cancel()
         if self.t2w is not None:
             self.t2w.release()
         self.t2w = None
@@ -126,9 +162,10 @@ class Cv2State:
             return Vocode(frames=frames, final=self.flowed.plan.final)
         if self.mode is None:
             return Frontend() if utt.input_ended or utt.text.strip() else None
-        if self.mode == "deltas" and (
-            self.bistream is None or utt.text or (utt.input_ended and not self.text_ended)
-        ):
+        if self.pending.ready():
+            return Frontend()  # install what the preparation pool sent back
+        ending = utt.input_ended and not self.text_ended and not self.pending.busy
+        if self.mode == "deltas" and (self.bistream is None or utt.text or ending):
             return Frontend()
         t2w = self.t2w
         if t2w is not None and t2w.ready():
@@ -143,11 +180,15 @@ class Cv2State:
         nxt = self.t2w.next_chunk() if self.t2w is not None else None
         return Decode(*nxt) if nxt is not None else Decode()
 
-    def _final_or_next(self, has_next: bool) -> Work:
+    def _final_or_next(self, has_next: bool) -> Work | None:
         """The segment's LLM is over: its final chunk, then the next segment (or the end)."""
         if self.t2w is not None and (advance := self.t2w.final_advance()) is not None:
             return FlowChunk(advance, final=True)
-        return Prefill() if has_next else Finish()
+        return Prefill() if has_next else self._finish_or_wait()
+
+    def _finish_or_wait(self) -> Work | None:
+        """Nothing left to speak: the end, unless text is still being prepared (its result wakes us)."""
+        return None if self.pending.busy else Finish()
 
     def _whole_plan(self) -> Work | None:
         if self.segments is None:
@@ -157,7 +198,7 @@ class Cv2State:
                 return None  # the streamer's next token wakes the worker
             return self._decode()
         if self.llm is None and self.t2w is None:
-            return Prefill() if self.segments else Finish()
+            return Prefill() if self.segments else self._finish_or_wait()
         return self._final_or_next(bool(self.segments))
 
     def _deltas_plan(self) -> Work | None:

@@ -40,6 +40,8 @@ from voicertc.backends.cosyvoice.voice.features import (
     resample_wav,
 )
 from voicertc.backends.cosyvoice.voice.text import text_normalize
+from voicertc.backends.cosyvoice.voice.text_prep import TextPrep
+from voicertc.backends.cosyvoice.voice.voice_caches import VoiceCaches
 from voicertc.errors import InputError, UnknownVoiceError
 from voicertc.voice_ids import VOICE_ID, check_voice_id, voice_id_of, voice_path
 
@@ -71,11 +73,20 @@ class Voice:
     flow_prompt_tokens: Tensor  # [1, p] int
     prompt_feat: Tensor  # [1, 2p, 80] prompt mel
     embedding: Tensor  # [1, 192] CAM++ speaker vector
-    flow_state: FlowStreamState  # after the prompt; clone() per utterance
-    prefix: PrefixCache  # LLM KV cache of [sos, prompt text]
+    caches: VoiceCaches  # the flow state after the prompt and the LLM prefix, built on first use
     name: str = ""
     source: VoiceSource = "memory"
     created_s: float = 0.0  # unix time of registration (0 = unknown)
+
+    @property
+    def flow_state(self) -> FlowStreamState:
+        """The flow state after the prompt (built on first use; clone() per utterance)."""
+        return self.caches.flow_state
+
+    @property
+    def prefix(self) -> PrefixCache:
+        """The LLM KV cache of [sos, prompt text] (built on first use)."""
+        return self.caches.prefix
 
     @property
     def prompt_tokens(self) -> int:
@@ -109,21 +120,17 @@ def voice_from_features(
     name: str = "",
     source: VoiceSource = "memory",
     created_s: float = 0.0,
+    lazy: bool = False,
 ) -> Voice:
     """A voice from prompt speech tokens [1, p], prompt mel [1, 2p, 80] and embedding [1, 192].
 
     Without `prompt_text_tokens` the LLM gets no prompt at all (its prompt speech would have no
     transcript to align with: cross-lingual); the flow still uses the prompt. `llm_prompt_tokens`
-    defaults to the flow prompt tokens (the reference trims both alike)."""
+    defaults to the flow prompt tokens (the reference trims both alike). `lazy`: the prompt caches
+    (flow state, LLM prefix) are built when an utterance first needs them, not now."""
     tokens = torch.as_tensor(prompt_tokens).reshape(1, -1).to(torch.long)
     feat = torch.as_tensor(prompt_feat, dtype=torch.float32)
     embedding = torch.as_tensor(embedding, dtype=torch.float32).reshape(1, -1)
-    try:
-        flow_state = model.flow.init_stream(
-            tokens.to(model.device), feat.to(model.device), embedding.to(model.device)
-        )
-    except ValueError as exc:
-        raise InputError(f"bad voice prompt: {exc}") from exc
     try:
         text_ids = () if prompt_text_tokens is None else tuple(model.llm.check_text_ids(prompt_text_tokens))
         llm_source = (
@@ -134,6 +141,12 @@ def voice_from_features(
         raise InputError(f"bad voice prompt: {exc}") from exc
     if kind is None:
         kind = "zero_shot" if text_ids else ("sft" if tokens.shape[1] == 0 else "cross_lingual")
+    caches = VoiceCaches(
+        lambda: _prompt_flow_state(model, tokens, feat, embedding),
+        lambda: model.llm.prefix_cache(list(text_ids)),
+    )
+    if not lazy:
+        caches.build()
     return Voice(
         voice_id=check_voice_id(voice_id or f"voice-{uuid.uuid4().hex[:8]}"),
         kind=kind,
@@ -143,12 +156,22 @@ def voice_from_features(
         flow_prompt_tokens=tokens.cpu(),
         prompt_feat=feat.cpu(),
         embedding=embedding.cpu(),
-        flow_state=flow_state,
-        prefix=model.llm.prefix_cache(list(text_ids)),
+        caches=caches,
         name=name,
         source=source,
         created_s=created_s,
     )
+
+
+def _prompt_flow_state(
+    model: CosyVoice2Model, tokens: Tensor, feat: Tensor, embedding: Tensor
+) -> FlowStreamState:
+    try:
+        return model.flow.init_stream(
+            tokens.to(model.device), feat.to(model.device), embedding.to(model.device)
+        )
+    except ValueError as exc:
+        raise InputError(f"bad voice prompt: {exc}") from exc
 
 
 def sft_voice(model: CosyVoice2Model, voice_id: str, info: Mapping[str, object]) -> Voice:
@@ -231,26 +254,59 @@ def read_prompt_wav(path: str | Path, limits: ClipLimits | None = None) -> Clip:
         raise AudioError(exc.code, f"{path}: {exc}", exc.status) from exc
 
 
-def voice_from_samples(
+MAX_TRANSCRIPT_CHARS_PER_S = 50  # a prompt transcript longer than this per second of clip is refused
+
+
+@dataclass(frozen=True)
+class VoiceFeatures:
+    """What a clip gives a voice before any model state (computed off the engine thread): prompt speech
+    tokens [1, p], prompt mel [1, 2p, 80], CAM++ embedding [1, 192] and the transcript's token ids
+    (None: no transcript, or one still to be tokenised on the engine thread when `text_pending`)."""
+
+    voice_id: str | None
+    tokens: Tensor
+    feat: Tensor
+    embedding: Tensor
+    transcript: str
+    text_ids: tuple[int, ...] | None
+    text_pending: bool = False
+    name: str = ""
+
+
+def check_transcript(clip: Clip, transcript: str | None) -> str:
+    """The stripped transcript; InputError before any work when it is longer than the clip can say."""
+    text = (transcript or "").strip()
+    limit = max(100, int(MAX_TRANSCRIPT_CHARS_PER_S * clip.seconds))
+    if len(text) > limit:
+        raise InputError(
+            f"the prompt transcript has {len(text)} characters for a {clip.seconds:.1f} s clip; "
+            f"at most {limit} ({MAX_TRANSCRIPT_CHARS_PER_S} per second)"
+        )
+    return text
+
+
+def voice_features(
     model: CosyVoice2Model,
     clip: Clip,
     transcript: str | None,
     voice_id: str | None = None,
     *,
     name: str = "",
-    source: VoiceSource = "memory",
-) -> Voice:
-    """Zero-shot voice from a prompt clip and its transcript (cosyvoice.md §2.4-2.5); without a
-    transcript, a cross-lingual voice (the flow gets the prompt, the LLM none).
+    prep: TextPrep | None = None,
+) -> VoiceFeatures:
+    """A clip's prompt features (cosyvoice.md §2.4-2.5); any thread (no engine state is touched).
 
     16 kHz for the speech tokenizer and CAM++, 24 kHz for the prompt mel; then the reference's 2:1
-    trim: both token lists and the mel are cut to min(mel frames // 2, tokens) tokens."""
+    trim: both token lists and the mel are cut to min(mel frames // 2, tokens) tokens. The transcript
+    is normalised and tokenised by `prep` (a process pool); without one it is left for `voice_install`
+    on the engine thread (the tokenizer is not shared across threads)."""
     if voice_id is not None:
         check_voice_id(voice_id)
     if not MIN_PROMPT_S <= clip.seconds <= MAX_PROMPT_S:
         raise InputError(
             f"prompt audio is {clip.seconds:.2f} s; it must be {MIN_PROMPT_S:g}-{MAX_PROMPT_S:g} s"
         )
+    text = check_transcript(clip, transcript)
     wav, rate_hz = clip.samples, clip.sample_rate_hz
     wav_16k = resample_wav(wav, rate_hz, TOKENIZER_SAMPLE_RATE_HZ)[None]
     wav_24k = resample_wav(wav, rate_hz, PROMPT_SAMPLE_RATE_HZ)[None]
@@ -261,17 +317,46 @@ def voice_from_samples(
     if token_len == 0:
         raise InputError("the speech tokenizer found no speech tokens in the prompt")
     feat, tokens = feat[:, : 2 * token_len], tokens[:, :token_len]
-    transcript = (transcript or "").strip()
-    text_ids: list[int] | None = None
-    if transcript:
-        text = text_normalize(transcript, model.text_frontend.encode, split=False)[0]
-        text_ids = model.text_frontend.encode(text)
+    text_ids: tuple[int, ...] | None = None
+    if text and prep is not None:
+        prepared = prep.submit(text, split=False).result()
+        text_ids = tuple(i for _, ids in prepared.pieces[:1] for i in ids)
+        if not text_ids:
+            raise InputError("the prompt transcript has no text tokens")
+    return VoiceFeatures(
+        voice_id, tokens, feat, embedding, text, text_ids, text_pending=bool(text) and prep is None, name=name
+    )
+
+
+def voice_install(
+    model: CosyVoice2Model, features: VoiceFeatures, *, source: VoiceSource = "memory"
+) -> Voice:
+    """The voice of `features`: the flow's prompt state and the LLM prefix (engine thread)."""
+    text_ids = features.text_ids
+    if features.text_pending:
+        text = text_normalize(features.transcript, model.text_frontend.encode, split=False)[0]
+        text_ids = tuple(model.text_frontend.encode(text))
         if not text_ids:
             raise InputError("the prompt transcript has no text tokens")
     return voice_from_features(
-        model, tokens, feat, embedding, text_ids, voice_id, prompt_text=transcript, name=name,
-        source=source, created_s=time.time(),
+        model, features.tokens, features.feat, features.embedding, text_ids, features.voice_id,
+        prompt_text=features.transcript, name=features.name, source=source, created_s=time.time(),
     )  # fmt: skip
+
+
+def voice_from_samples(
+    model: CosyVoice2Model,
+    clip: Clip,
+    transcript: str | None,
+    voice_id: str | None = None,
+    *,
+    name: str = "",
+    source: VoiceSource = "memory",
+) -> Voice:
+    """Zero-shot voice from a prompt clip and its transcript (cosyvoice.md §2.4-2.5); without a
+    transcript, a cross-lingual voice (the flow gets the prompt, the LLM none). All on this thread."""
+    features = voice_features(model, clip, transcript, voice_id, name=name)
+    return voice_install(model, features, source=source)
 
 
 def voice_from_wav(
@@ -324,6 +409,7 @@ class VoiceStore:
             text_ids if t["llm_prompt_tokens"].numel() else None, voice_id,
             prompt_text=str(meta.get("prompt_text", "")), llm_prompt_tokens=t["llm_prompt_tokens"],
             name=str(meta.get("name", "")), source="store", created_s=float(meta.get("created_s", 0.0)),
+            lazy=True,
         )  # fmt: skip
         return voice
 
@@ -384,6 +470,12 @@ class VoiceBook:
             )
         return voice
 
+    def cache_bytes(self) -> int:
+        """Bytes the voices' prompt caches hold now (voices never used hold none)."""
+        with self._lock:
+            voices = list(self._voices.values())
+        return sum(voice.caches.nbytes() for voice in voices)
+
     def describe(self) -> list[dict[str, object]]:
         with self._lock:
             return [voice.describe() for voice in self._voices.values()]
@@ -405,11 +497,28 @@ class VoiceBook:
         self, clip: Clip, transcript: str | None, voice_id: str | None = None, name: str = ""
     ) -> Voice:
         """A zero-shot (or, without transcript, cross-lingual) voice from a checked clip; persisted."""
+        return self.install(self.prepare(clip, transcript, voice_id, name))
+
+    def prepare(
+        self,
+        clip: Clip,
+        transcript: str | None,
+        voice_id: str | None = None,
+        name: str = "",
+        prep: TextPrep | None = None,
+    ) -> VoiceFeatures:
+        """The clip's features for `install` (any thread: the model's feature extractors only)."""
         if voice_id is None:
             voice_id = self._free_id(name)
         elif voice_id in self.ids():
             raise VoiceExistsError(f"voice {voice_id!r} already exists")
-        return self.add(voice_from_samples(self.model, clip, transcript, voice_id, name=name))
+        return voice_features(self.model, clip, transcript, voice_id, name=name, prep=prep)
+
+    def install(self, features: VoiceFeatures) -> Voice:
+        """Engine thread: the voice's model state from prepared features; persisted and listed."""
+        if features.voice_id is not None and features.voice_id in self.ids():  # registered meanwhile
+            raise VoiceExistsError(f"voice {features.voice_id!r} already exists")
+        return self.add(voice_install(self.model, features))
 
     def _free_id(self, name: str) -> str:
         stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", name.strip().lower()).strip("-._")[:48] or "voice"
@@ -433,7 +542,8 @@ class VoiceBook:
             if self.store is not None:
                 self.store.delete(voice_id)
             del self._voices[voice_id]
-        logger.info("voice %s deleted", voice_id)
+        freed = voice.caches.nbytes()  # returned once no utterance of the voice is left
+        logger.info("voice %s deleted (%.1f MB of prompt caches)", voice_id, freed / 1e6)
 
 
 class VoiceExistsError(InputError):

@@ -9,7 +9,7 @@ ARGS ?=
 # pytest-xdist workers, a module per worker at a time, one torch thread each (tests/conftest.py); then
 # the real-time tests (calls, browsers, listening, servers) in one process, so nothing CPU-heavy runs
 # beside a test that measures playback. `make test ARGS="tests/test_call.py -x"` runs just that.
-PARALLEL_TESTS := $(filter-out tests/test_cv2_loopback.py,$(wildcard tests/test_cv2_*.py)) \
+PARALLEL_TESTS := $(filter-out tests/test_cv2_loopback.py tests/test_cv2_text_prep.py,$(wildcard tests/test_cv2_*.py)) \
 	$(wildcard tests/test_cv3_*.py tests/test_export_*.py tests/test_gpu*.py) tests/test_doctor.py \
 	tests/test_import_graph.py tests/test_speak_request.py tests/test_delivery.py tests/test_schedule.py \
 	tests/test_scheduler.py tests/test_scheduler_batches.py tests/test_validation_properties.py \

@@ -149,7 +149,7 @@ def start_cluster(models: list[str], max_n: int) -> None:
     from ray import serve
 
     from voicertc.assemble import create_local_engine
-    from voicertc.remote.client import apply_auth
+    from voicertc.remote.connect import apply_auth
     from voicertc.remote.deployment import build_app
     from voicertc.remote.loopback import loopback_init_options, not_a_cluster
 

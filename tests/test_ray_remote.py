@@ -39,7 +39,6 @@ from voicertc.audio import PcmRing, RingSink  # noqa: E402
 from voicertc.config import Config, RayConfig  # noqa: E402
 from voicertc.engine.protocol import Cancelled, Done, EngineEvent, Failed, FirstAudio  # noqa: E402
 from voicertc.errors import EngineUnavailableError  # noqa: E402
-from voicertc.remote import affinity  # noqa: E402
 from voicertc.remote.client import RemoteEngine, VersionSkewError, apply_auth  # noqa: E402
 from voicertc.remote.deployment import build_app  # noqa: E402
 from voicertc.remote.loopback import loopback_init_options, not_a_cluster  # noqa: E402
@@ -334,7 +333,7 @@ def test_a_wrong_token_is_reported_as_rejected_not_unreachable(cluster, tmp_path
     address = ray.get_runtime_context().gcs_address
     script = (
         "from voicertc.config import RayConfig\n"
-        "from voicertc.remote.client import connect_ray\n"
+        "from voicertc.remote.connect import connect_ray\n"
         "from voicertc.errors import EngineUnavailableError\n"
         "try:\n"
         f"    connect_ray(RayConfig(address={address!r}, auth_token_path={str(wrong)!r}))\n"
@@ -382,17 +381,17 @@ async def test_a_stalled_replica_is_avoided_alone_and_taken_back_when_it_answers
                 assert isinstance(await after.terminal(), Done), after.events
                 assert eng.replicas[next_uid] != victim
                 await asyncio.sleep(1.5)  # health probes run meanwhile (one of them times out)
-                assert affinity.avoided(victim)
+                assert eng.avoided(victim)
             finally:
                 os.kill(pid, signal.SIGCONT)
                 watcher.cancel()
             assert availability and all(availability), "the whole engine was marked unavailable"
 
         for _ in range(100):  # a probe of it succeeds: it is taken back
-            if not affinity.avoided(victim):
+            if not eng.avoided(victim):
                 break
             await asyncio.sleep(0.1)
-        assert not affinity.avoided(victim)
+        assert not eng.avoided(victim)
         async with played_ring() as (_ring, new_sink):  # a new call goes to the least loaded: the victim
             fresh = Listener()
             uid = eng.say(None, new_sink, fresh, "A new call.")

@@ -1,0 +1,316 @@
+"""The front-end's Ray driver, in a child process: `python -m voicertc.remote.driver FD`.
+
+Ray's driver ends its own process when the raylet it joined dies (the cluster stopped) or the GCS stays
+away past Ray's reconnect timeout. So the front-end never joins the cluster itself: this child does,
+and the front-end (`voicertc.remote.link.DriverLink`) talks to it over a socketpair (`FD`), one pickled
+frame per message (`multiprocessing.connection.Connection`). When the child dies, the front-end answers
+503 meanwhile and starts a new one (`RemoteEngine`).
+
+Front-end -> driver:
+  ("hello", ray_config: dict, client_version: str)   first frame
+  ("ask", request_id, method, kwargs)                 one replica method call (info, voices, control, ...)
+  ("stream", stream_id, kwargs)                       one utterance: `EngineReplica.stream(**kwargs)`
+  ("cancel", stream_id)                               the front-end is done with it (it frees the replica)
+  ("forget", replica | None, session)                 the front-end lost this replica under `session`
+  ("forget_session", session)                         the call ended: drop its pin
+  ("stop",)
+Driver -> front-end:
+  ("ready", info) | ("failed", code, message)         after joining the cluster and asking a replica
+  ("reply", request_id, True, result) | ("reply", request_id, False, error)
+  ("msg", stream_id, message)                         a `voicertc.remote.wire` message of the stream
+  ("end", stream_id, error | None)                    the stream ended (None: after its terminal event)
+  ("health", {"available", "reason", "voices", "features", "avoided"})   after each probe round
+  ("log", level, logger name, text)                   the child's log records, logged by the front-end
+`error` is (Ray's exception type name, its text, the caller-facing reason) (see `unavailable_because`).
+
+The session pins, per-replica health and loads (`voicertc.remote.affinity`) live here, beside the
+router that reads them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from voicertc import __version__
+from voicertc.config import RayConfig
+from voicertc.errors import EngineUnavailableError
+from voicertc.remote import affinity
+from voicertc.remote.connect import connect_ray
+from voicertc.remote.wire import PROTOCOL, check_versions
+
+logger = logging.getLogger(__name__)
+
+ErrorInfo = tuple[str, str, str]
+ERROR_TEXT_CHARS = 4000  # Ray's account of a failure, for the front-end's log
+
+
+class _Forward(logging.Handler):
+    """This process's log records go to the front-end (its handlers, its format)."""
+
+    def __init__(self, send: Any) -> None:
+        super().__init__(logging.INFO)
+        self._send = send
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._send(("log", record.levelno, record.name, record.getMessage()))
+        except Exception:  # noqa: BLE001 - the front-end is gone; nothing to tell
+            pass
+
+
+class Driver:
+    """Joins the cluster, serves the front-end's requests against the engine app, probes replicas."""
+
+    def __init__(self, conn: Connection, ray_config: RayConfig, client_version: str) -> None:
+        self.conn = conn
+        self.ray = ray_config
+        self.client_version = client_version
+        self._send_lock = threading.Lock()
+        self._handle: Any = None
+        self._stream_handle: Any = None
+        self._streams: dict[str, asyncio.Task[None]] = {}
+        self._gens: dict[str, Any] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._stopped: asyncio.Event | None = None
+
+    def send(self, frame: tuple[Any, ...]) -> None:
+        with self._send_lock:
+            self.conn.send(frame)
+
+    async def run(self) -> int:
+        self._stopped = asyncio.Event()
+        try:
+            await asyncio.to_thread(connect_ray, self.ray)
+            info = await self._connect()
+        except EngineUnavailableError as exc:
+            self.send(("failed", exc.code, str(exc)))
+            return 1
+        self.send(("ready", info))
+        loop = asyncio.get_running_loop()
+        threading.Thread(target=self._read, args=(loop,), name="voicertc-driver-read", daemon=True).start()
+        health = loop.create_task(self._health_loop())
+        await self._stopped.wait()
+        health.cancel()
+        for task in list(self._streams.values()) + list(self._tasks):
+            task.cancel()
+        return 0
+
+    def _read(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Frames from the front-end, onto the loop; end of the pipe (the front-end is gone) stops."""
+        while True:
+            try:
+                frame = self.conn.recv()
+            except (EOFError, OSError):
+                frame = ("stop",)
+            loop.call_soon_threadsafe(self._on_frame, frame)
+            if frame[0] == "stop":
+                return
+
+    def _on_frame(self, frame: tuple[Any, ...]) -> None:
+        kind = frame[0]
+        if kind == "ask":
+            self._spawn(self._answer(frame[1], frame[2], frame[3]))
+        elif kind == "stream":
+            self._streams[frame[1]] = asyncio.get_running_loop().create_task(self._stream(frame[1], frame[2]))
+        elif kind == "cancel":
+            self._cancel(frame[1])
+        elif kind == "forget":
+            replica = frame[1] or affinity.pinned_replica(frame[2])
+            if replica is not None:
+                affinity.forget_replica(replica)
+        elif kind == "forget_session":
+            affinity.forget_session(frame[1])
+        elif kind == "stop" and self._stopped is not None:
+            self._stopped.set()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _connect(self) -> dict[str, Any]:
+        from ray import serve
+
+        where = f"app {self.ray.app_name!r} on the Ray cluster at {self.ray.address!r}"
+        try:
+            self._handle = serve.get_app_handle(self.ray.app_name)
+            self._stream_handle = self._handle.options(stream=True)
+            async with asyncio.timeout(self.ray.connect_timeout_s):
+                info: dict[str, Any] = await self._handle.info.remote()
+        except TimeoutError:
+            raise EngineUnavailableError(
+                f"the engine {where} did not answer within {self.ray.connect_timeout_s:g} s "
+                "(ray.connect_timeout_s)"
+            ) from None
+        except Exception as exc:  # noqa: BLE001 - Ray raises many types; all mean "not there"
+            raise EngineUnavailableError(f"cannot reach the engine {where}: {exc}") from exc
+        if skew := check_versions(info, self.client_version, PROTOCOL):
+            skew_error = EngineUnavailableError(skew)
+            skew_error.code = "version_skew"
+            raise skew_error
+        return info
+
+    async def ask(self, method: str, **kwargs: Any) -> Any:
+        """One call to a replica method within `ray.control_timeout_s`. A call that fails or times
+        out is cancelled in Serve too: one routed to a replica that is gone would otherwise wait in
+        the router for it forever."""
+        response = getattr(self._handle, method).remote(**kwargs)
+        try:
+            async with asyncio.timeout(self.ray.control_timeout_s):
+                return await response
+        except BaseException:
+            response.cancel()
+            raise
+
+    async def _answer(self, request_id: int, method: str, kwargs: dict[str, Any]) -> None:
+        try:
+            result = await self.ask(method, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - every failure goes back to the asker
+            self.send(("reply", request_id, False, self._error(exc)))
+            return
+        self.send(("reply", request_id, True, result))
+
+    def _error(self, exc: BaseException) -> ErrorInfo:
+        return (type(exc).__name__, str(exc)[:ERROR_TEXT_CHARS], unavailable_because(self.ray, exc))
+
+    async def _stream(self, stream_id: str, kwargs: dict[str, Any]) -> None:
+        """Relay one utterance's messages; its replica counts it as load until the terminal event."""
+        counted: str | None = None
+        error: ErrorInfo | None = None
+        try:
+            gen = self._gens[stream_id] = self._stream_handle.stream.remote(
+                **kwargs, front_end=affinity.FRONT_END
+            )
+            async for message in gen:
+                if message[0] == "open" and counted is None:
+                    counted = str(message[1]["replica"])
+                    affinity.utterance_opened(counted)
+                self.send(("msg", stream_id, message))
+                if _terminal(message):
+                    break
+        except asyncio.CancelledError:
+            return
+        except Exception as exc:  # noqa: BLE001 - a dead or drained replica: the front-end decides
+            error = self._error(exc)
+        finally:
+            if counted is not None:
+                affinity.utterance_closed(counted)  # ended: it stops counting at once
+            self._streams.pop(stream_id, None)
+            self._gens.pop(stream_id, None)
+        self.send(("end", stream_id, error))
+
+    def _cancel(self, stream_id: str) -> None:
+        gen = self._gens.pop(stream_id, None)
+        if gen is not None:
+            try:
+                gen.cancel()
+            except Exception:  # noqa: BLE001 - already finished or torn down
+                logger.debug("stream %s: cancel failed", stream_id, exc_info=True)
+        task = self._streams.pop(stream_id, None)
+        if task is not None:
+            task.cancel()
+
+    async def _health_loop(self) -> None:
+        """Probe every replica (exact routing) each `health_interval_s`: a replica that does not answer
+        is avoided, one that answers again takes new calls again, and their reported loads feed the
+        router. The engine is unavailable only while no replica answers."""
+        while True:
+            await self._probe_replicas()
+            await asyncio.sleep(self.ray.health_interval_s)
+
+    async def _probe_replicas(self) -> None:
+        replicas = affinity.known_replicas(self.ray.app_name)
+        targets: list[str | None] = list(replicas) or [None]  # None: any replica (none known yet)
+        results = await asyncio.gather(*(self._probe(rid) for rid in targets), return_exceptions=True)
+        answers = [r for r in results if isinstance(r, dict)]
+        health: dict[str, Any] = {"available": True, "reason": "", "avoided": affinity.avoided_replicas()}
+        if not answers:
+            failure = next((r for r in results if isinstance(r, BaseException)), None)
+            if failure is None:
+                return
+            health.update(available=False, reason=unavailable_because(self.ray, failure))
+            health["detail"] = f"{type(failure).__name__}: {str(failure)[:ERROR_TEXT_CHARS]}"
+        else:
+            info = answers[0]
+            if skew := check_versions(info, self.client_version, PROTOCOL):
+                health.update(available=False, reason=skew)
+            health.update(voices=list(info.get("voices", [])), features=list(info.get("features", [])))
+        self.send(("health", health))
+
+    async def _probe(self, replica: str | None) -> dict[str, Any]:
+        """One replica's info (or any replica's, for None); marks that replica healthy or avoided."""
+        routing = {"replica": replica} if replica is not None else {}
+        try:
+            info: dict[str, Any] = await self.ask("info", front_end=affinity.FRONT_END, **routing)
+        except Exception as exc:
+            if replica is not None and not affinity.avoided(replica):
+                affinity.forget_replica(replica)
+                logger.warning(
+                    "remote engine %s: replica %s missed its health probe, avoided until it answers (%s)",
+                    self.ray.app_name,
+                    replica,
+                    type(exc).__name__,
+                )
+            raise
+        answered = str(info.get("replica", replica or ""))
+        if answered:
+            if affinity.recovered(answered):
+                logger.info(
+                    "remote engine %s: replica %s answers again; it takes new calls",
+                    self.ray.app_name,
+                    answered,
+                )
+            affinity.report_load(answered, int(info.get("others_open", 0)))
+        return info
+
+
+def _terminal(message: tuple[Any, ...]) -> bool:
+    if message[0] == "batch":
+        return any(part[0] == "event" for part in message[1])
+    return bool(message[0] == "event")
+
+
+def unavailable_because(ray: RayConfig, exc: BaseException) -> str:
+    """The caller-facing reason the app does not answer, from Ray's exception (no Ray internals)."""
+    app = ray.app_name
+    if isinstance(exc, TimeoutError):
+        return f"the engine app {app!r} did not answer within {ray.control_timeout_s:g} s"
+    if _app_missing(exc):
+        return (
+            f"the engine app {app!r} is not deployed on the Ray cluster at {ray.address!r}; "
+            f"deploy it: voicertc engine-serve --app-name {app} --detach"
+        )
+    return f"the engine app {app!r} is unavailable ({type(exc).__name__}); details in the log"
+
+
+def _app_missing(exc: BaseException) -> bool:
+    """Ray says the app or its deployment is gone (deleted, never deployed); its message is terse."""
+    text = str(exc)
+    return (
+        type(exc).__name__ in ("DeploymentUnavailableError",)
+        or "does not exist" in text
+        or (text.startswith("Deployment(name="))
+    )
+
+
+def main(argv: list[str]) -> int:
+    conn = Connection(int(argv[1]))
+    hello = conn.recv()
+    if hello[0] != "hello":
+        return 2
+    driver = Driver(conn, RayConfig(**hello[1]), str(hello[2]) or __version__)
+    root = logging.getLogger()
+    root.handlers[:] = [_Forward(driver.send)]
+    root.setLevel(logging.INFO)
+    for noisy in ("ray", "ray.serve"):  # Ray's own chatter stays in Ray's log files
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    return asyncio.run(driver.run())
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

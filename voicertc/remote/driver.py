@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 import threading
 from multiprocessing.connection import Connection
@@ -40,13 +41,15 @@ from voicertc import __version__
 from voicertc.config import RayConfig
 from voicertc.errors import EngineUnavailableError
 from voicertc.remote import affinity
-from voicertc.remote.connect import connect_ray
+from voicertc.remote.connect import connect_ray, gcs_answer
 from voicertc.remote.wire import PROTOCOL, check_versions
 
 logger = logging.getLogger(__name__)
 
 ErrorInfo = tuple[str, str, str]
 ERROR_TEXT_CHARS = 4000  # Ray's account of a failure, for the front-end's log
+EXIT_CLUSTER_GONE = 3  # the GCS stopped answering: this driver ends, the front-end starts a new one
+VOICE_TIMEOUT_S = 120.0  # registering a voice computes its features on a replica (CPU: seconds)
 
 
 class _Forward(logging.Handler):
@@ -77,6 +80,7 @@ class Driver:
         self._gens: dict[str, Any] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopped: asyncio.Event | None = None
+        self.gcs_address = ""
 
     def send(self, frame: tuple[Any, ...]) -> None:
         with self._send_lock:
@@ -86,6 +90,9 @@ class Driver:
         self._stopped = asyncio.Event()
         try:
             await asyncio.to_thread(connect_ray, self.ray)
+            import ray
+
+            self.gcs_address = str(ray.get_runtime_context().gcs_address)
             info = await self._connect()
         except EngineUnavailableError as exc:
             self.send(("failed", exc.code, str(exc)))
@@ -155,25 +162,85 @@ class Driver:
             raise skew_error
         return info
 
-    async def ask(self, method: str, **kwargs: Any) -> Any:
-        """One call to a replica method within `ray.control_timeout_s`. A call that fails or times
-        out is cancelled in Serve too: one routed to a replica that is gone would otherwise wait in
-        the router for it forever."""
+    async def ask(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        """One call to a replica method within `timeout_s` (`ray.control_timeout_s`). A call that
+        fails or times out is cancelled in Serve too: one routed to a replica that is gone would
+        otherwise wait in the router for it forever."""
         response = getattr(self._handle, method).remote(**kwargs)
         try:
-            async with asyncio.timeout(self.ray.control_timeout_s):
+            async with asyncio.timeout(timeout_s or self.ray.control_timeout_s):
                 return await response
         except BaseException:
             response.cancel()
             raise
 
     async def _answer(self, request_id: int, method: str, kwargs: dict[str, Any]) -> None:
+        own = {
+            "register_voice": self._register_everywhere,
+            "delete_voice": self._delete_everywhere,
+            "replica_infos": self._replica_infos,
+        }.get(method)
         try:
-            result = await self.ask(method, **kwargs)
+            result = await (own(**kwargs) if own is not None else self.ask(method, **kwargs))
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the asker
             self.send(("reply", request_id, False, self._error(exc)))
             return
         self.send(("reply", request_id, True, result))
+
+    async def _register_everywhere(self, **kwargs: Any) -> dict[str, Any]:
+        """Features computed once, on one replica (it stores the voice in its voices_dir); its files
+        then go to every other replica, which loads them. A replica that misses it is named in the log
+        (it loads the voice from a shared voices_dir when it restarts)."""
+        answer: dict[str, Any] = await self.ask("register_voice", timeout_s=VOICE_TIMEOUT_S, **kwargs)
+        if "error" in answer:
+            return answer
+        voice_id = str(answer["info"]["id"])
+        others = [r for r in affinity.known_replicas(self.ray.app_name) if r != answer["replica"]]
+        loads = await asyncio.gather(
+            *(
+                self.ask(
+                    "load_voice",
+                    timeout_s=VOICE_TIMEOUT_S,
+                    replica=r,
+                    voice_id=voice_id,
+                    files=answer["files"],
+                )
+                for r in others
+            ),
+            return_exceptions=True,
+        )
+        for replica, load in zip(others, loads, strict=True):
+            if not isinstance(load, dict) or "error" in load:
+                logger.warning("voice %s: replica %s did not load it: %s", voice_id, replica, load)
+        logger.info(
+            "voice %s registered on replica %s, loaded on %d more", voice_id, answer["replica"], len(others)
+        )
+        return {"info": answer["info"], "replicas": 1 + len(others)}
+
+    async def _delete_everywhere(self, voice_id: str) -> dict[str, Any]:
+        """Delete on every replica: done when one had it; its error when none did."""
+        replicas: list[str | None] = list(affinity.known_replicas(self.ray.app_name)) or [None]
+        answers = await asyncio.gather(
+            *(self.ask("delete_voice", voice_id=voice_id, **({"replica": r} if r else {})) for r in replicas),
+            return_exceptions=True,
+        )
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                raise answer
+        errors = [a["error"] for a in answers if "error" in a]
+        if len(errors) < len(answers):
+            return {}
+        read_only = [e for e in errors if e["kind"] != "unknown_voice"]
+        return {"error": (read_only or errors)[0]}
+
+    async def _replica_infos(self) -> dict[str, dict[str, Any]]:
+        """Every known replica's info, by replica id (operators, tests)."""
+        replicas = affinity.known_replicas(self.ray.app_name)
+        infos = await asyncio.gather(
+            *(self.ask("info", replica=r, front_end=affinity.FRONT_END) for r in replicas),
+            return_exceptions=True,
+        )
+        return {r: i for r, i in zip(replicas, infos, strict=True) if isinstance(i, dict)}
 
     def _error(self, exc: BaseException) -> ErrorInfo:
         return (type(exc).__name__, str(exc)[:ERROR_TEXT_CHARS], unavailable_because(self.ray, exc))
@@ -233,6 +300,8 @@ class Driver:
             failure = next((r for r in results if isinstance(r, BaseException)), None)
             if failure is None:
                 return
+            if await asyncio.to_thread(gcs_answer, self.gcs_address, 2.0) == "unreachable":
+                self._end_cluster_gone()
             health.update(available=False, reason=unavailable_because(self.ray, failure))
             health["detail"] = f"{type(failure).__name__}: {str(failure)[:ERROR_TEXT_CHARS]}"
         else:
@@ -267,6 +336,17 @@ class Driver:
                 )
             affinity.report_load(answered, int(info.get("others_open", 0)))
         return info
+
+    def _end_cluster_gone(self) -> None:
+        """No replica answers and the cluster's GCS does not either: the cluster stopped. Ray would end
+        this process later (raylet gone) or keep it waiting; end it now, so the front-end starts a
+        new driver that joins the cluster when it is back."""
+        logger.warning(
+            "the Ray cluster's GCS at %s does not answer: this driver process ends (the front-end "
+            "starts a new one)",
+            self.gcs_address,
+        )
+        os._exit(EXIT_CLUSTER_GONE)
 
 
 def _terminal(message: tuple[Any, ...]) -> bool:

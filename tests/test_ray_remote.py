@@ -2,8 +2,9 @@
 
 One cluster for the module (loopback only: node, GCS and agents on 127.0.0.1, no dashboard, no HTTP
 proxy, token auth with a token file of the test's own). Two apps: `fake` (two replicas of the fake
-engine) and `cv2` (one replica of the tiny CosyVoice2 directory). Front-ends are `RemoteEngine`s in
-this process, the transport is the real `Call` with an aiortc peer, or a `RingSink` read at playout pace.
+engine) and `cv2` (two replicas of the tiny CosyVoice2 directory, one voices_dir). Front-ends are
+`RemoteEngine`s in this process (each with its own Ray driver process), the transport is the real
+`Call` with an aiortc peer, or a `RingSink` read at playout pace.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[Path]:
     from ray import serve
 
     speaking_dir = make_tiny_model_dir(tmp_path_factory.mktemp("cv2_speak"), checkpoints_from=tiny_model_dir)
+    voices_dir = voices_dir_of(speaking_dir)
     token = tmp_path_factory.mktemp("ray") / "auth_token"
     token.write_text(secrets.token_hex(32))
     apply_auth(RayConfig(auth_mode="token", auth_token_path=str(token)))
@@ -90,8 +92,8 @@ def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[Path]:
         serve.start(proxy_location="Disabled")
         fake = fake_config(fake=FAKE, ray={"num_replicas": 2, "num_cpus": 0.5})
         cv2 = fake_config(
-            engine={"backend": "cosyvoice2", "model_dir": str(speaking_dir), "voices_dir": ""},
-            ray={"num_replicas": 1, "num_cpus": 0.5},
+            engine={"backend": "cosyvoice2", "model_dir": str(speaking_dir), "voices_dir": str(voices_dir)},
+            ray={"num_replicas": 2, "num_cpus": 0.5},
         )
         serve.run_many(  # both apps' replicas start at once
             [
@@ -110,6 +112,11 @@ def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[Path]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def voices_dir_of(speaking_dir: Path) -> Path:
+    """The cv2 app's `[engine] voices_dir` (both replicas share it)."""
+    return speaking_dir.with_name(speaking_dir.name + "_voices")
 
 
 @contextlib.contextmanager
@@ -462,36 +469,75 @@ async def test_two_cosyvoice2_replicas_share_one_gpu(cluster):
         await asyncio.to_thread(serve.delete, "voicertc-cv2-gpu")
 
 
-async def test_voices_are_listed_from_the_replicas_and_registration_says_what_to_do(cluster):
-    """GET /v1/voices and /v1/voices/{id} answer from a replica's voice book (no 500); registering
-    and deleting answer 400 `not_supported`, naming what works instead."""
+async def test_voices_registered_through_one_front_end_are_listed_and_spoken_through_another(cluster):
+    """Front-ends A and B (each its own Ray driver process) on the two-replica cv2 app: a voice
+    registered through A is computed once, stored in the app's voices_dir and loaded by both replicas;
+    B lists, describes and speaks it; B deletes it everywhere; the codes are the in-process ones."""
     import base64
 
     from audio_clips import clip
 
-    client = TestClient(TestServer(create_app(front_end(CV2_APP))))
-    await client.start_server()
+    voices_dir = voices_dir_of(cluster)
+    a = TestClient(TestServer(create_app(front_end(CV2_APP))))
+    b = TestClient(TestServer(create_app(front_end(CV2_APP))))
+    await a.start_server()
+    await b.start_server()
     try:
-        engine = client.app[ENGINE]
-        resp = await client.get("/v1/voices")
-        assert resp.status == 200, await resp.text()
-        voices = (await resp.json())["voices"]
-        assert [v["id"] for v in voices] == engine.voices() and voices, voices
-        first = voices[0]
-        resp = await client.get(f"/v1/voices/{first['id']}")
-        assert resp.status == 200, await resp.text()
-        assert await resp.json() == first
-        assert (await client.get("/v1/voices/no-such-voice")).status == 404
+        assert a.app[ENGINE].driver_pid != b.app[ENGINE].driver_pid
+        body = {
+            "audio": base64.b64encode(clip(seconds=3.0)).decode(),
+            "transcript": "Hello there.",
+            "id": "ann",
+        }
+        resp = await a.post("/v1/voices", json=body)
+        assert resp.status == 201, await resp.text()
+        ann = await resp.json()
+        assert ann["id"] == "ann" and ann["kind"] == "zero_shot", ann
+        assert (voices_dir / "ann.json").is_file() and (voices_dir / "ann.safetensors").is_file()
+        infos = await asyncio.to_thread(b.app[ENGINE].replica_infos)
+        assert len(infos) == 2 and all("ann" in info["voices"] for info in infos.values()), infos
 
-        body = {"audio": base64.b64encode(clip(seconds=3.0)).decode(), "transcript": "Hello there."}
-        resp = await client.post("/v1/voices", json=body)
-        assert resp.status == 400, await resp.text()
-        error = (await resp.json())["error"]
-        assert error["code"] == "not_supported" and "voices_dir" in error["message"], error
-        resp = await client.delete(f"/v1/voices/{first['id']}")
-        assert resp.status == 400 and (await resp.json())["error"]["code"] == "not_supported"
+        resp = await b.get("/v1/voices")
+        assert resp.status == 200, await resp.text()
+        assert "ann" in [v["id"] for v in (await resp.json())["voices"]]
+        resp = await b.get("/v1/voices/ann")
+        assert resp.status == 200 and (await resp.json()) == ann
+        speech = {"input": "Hello.", "voice": "ann", "response_format": "wav"}
+        resp = await b.post("/v1/audio/speech", json=speech)
+        assert resp.status == 200, await resp.text()
+        wav = await resp.read()
+        assert wav[:4] == b"RIFF" and len(wav) > 1000, len(wav)
+
+        resp = await b.post("/v1/voices", json=body)  # the same id again: the in-process code
+        assert resp.status == 409 and (await resp.json())["error"]["code"] == "voice_exists"
+        resp = await b.delete("/v1/voices/ann")
+        assert resp.status == 200, await resp.text()
+        assert not (voices_dir / "ann.json").exists()
+        infos = await asyncio.to_thread(a.app[ENGINE].replica_infos)
+        assert all("ann" not in info["voices"] for info in infos.values()), infos
+        resp = await a.get("/v1/voices/ann")
+        assert resp.status == 404 and (await resp.json())["error"]["code"] == "unknown_voice"
+        resp = await a.delete("/v1/voices/ann")
+        assert resp.status == 404 and (await resp.json())["error"]["code"] == "unknown_voice"
+        sft = next(v for v in (await (await a.get("/v1/voices")).json())["voices"] if not v["deletable"])
+        resp = await a.delete(f"/v1/voices/{sft['id']}")
+        assert resp.status == 409 and (await resp.json())["error"]["code"] == "voice_read_only"
     finally:
-        await client.close()
+        await a.close()
+        await b.close()
+
+
+def test_an_engine_without_a_voice_book_refuses_registration_as_in_process(engine):
+    """The fake replicas register nothing: 400 `not_supported`, as the in-process fake answers."""
+    from audio_clips import clip
+
+    from voicertc.audio.decode import decode_audio
+    from voicertc.errors import NotSupportedError
+
+    future = engine.register_voice(decode_audio(clip(seconds=2.0)), "Hello.", None, "")
+    with pytest.raises(NotSupportedError) as err:
+        future.result(30)
+    assert err.value.code == "not_supported"
 
 
 async def test_http_front_end_location_and_503_while_the_engine_is_gone(cluster):

@@ -41,7 +41,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
+
 from voicertc import __version__
+from voicertc.audio.decode import AudioError
 from voicertc.config import Config, RayConfig
 from voicertc.engine.delivery import Delivery, Wrote
 from voicertc.engine.protocol import (
@@ -54,8 +57,15 @@ from voicertc.engine.protocol import (
     SpeakOptions,
 )
 from voicertc.engine.voice_book import VoiceInfo
-from voicertc.errors import EngineUnavailableError, InputError, NotSupportedError, UnknownVoiceError
+from voicertc.errors import (
+    EngineUnavailableError,
+    InputError,
+    NotSupportedError,
+    UnknownVoiceError,
+    VoiceRTCError,
+)
 from voicertc.remote.connect import apply_auth, connect_ray
+from voicertc.remote.driver import VOICE_TIMEOUT_S
 from voicertc.remote.link import (
     DriverLink,
     DriverLostError,
@@ -78,15 +88,6 @@ logger = logging.getLogger(__name__)
 
 ENGINE_LOST = "engine_lost"
 MAX_MESSAGE_CHARS = 200  # caller-facing error messages: one short, stable line (details go to the log)
-REGISTER_NOT_SUPPORTED = (
-    'registering voices through a front-end with engine.backend = "ray" is not supported yet: save the '
-    "voice into the replicas' [engine] voices_dir (register it on an in-process server using that "
-    "directory) and redeploy; replicas load the voices there when they start"
-)
-DELETE_NOT_SUPPORTED = (
-    'deleting voices through a front-end with engine.backend = "ray" is not supported yet: remove it from '
-    "the replicas' [engine] voices_dir and redeploy"
-)
 MAX_REASON_CHARS = 300  # /readyz and 503 reasons: may name the app, the address and the command to run
 REPLICAS_KEPT = 10_000  # utterance id -> replica, for operators and tests
 CREDIT_SLACK_MS = 100.0
@@ -282,12 +283,34 @@ class RemoteEngine:
     def register_voice(
         self, clip: Clip, transcript: str | None, voice_id: str | None, name: str
     ) -> Future[VoiceInfo]:
-        return _failed(NotSupportedError(REGISTER_NOT_SUPPORTED))
+        """Register on every replica: one replica computes the voice and stores it in the app's
+        `[engine] voices_dir`, the others load its files (`voicertc.remote.driver`). The same errors
+        as in-process (voice_exists, bad audio, not_supported for the fake and Piper)."""
+        samples = np.ascontiguousarray(clip.samples, dtype="<f4").tobytes()
+        request = {
+            "samples": samples,
+            "sample_rate_hz": int(clip.sample_rate_hz),
+            "transcript": transcript,
+            "voice_id": voice_id,
+            "name": name,
+        }
+        return self._voice_call(self._register_voice(request))
 
     def delete_voice(self, voice_id: str) -> Future[None]:
-        if voice_id in self._voices:
-            return _failed(NotSupportedError(DELETE_NOT_SUPPORTED))
-        return _failed(UnknownVoiceError(f"unknown voice {voice_id!r}"))
+        """Delete on every replica (and from the voices_dir): unknown_voice when none had it."""
+        return self._voice_call(self._delete_voice(voice_id))
+
+    def replica_infos(self, timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
+        """Each replica's info (version, voices, open utterances), by replica id (blocking)."""
+        infos: dict[str, dict[str, Any]] = self._call(self._ask("replica_infos"), timeout_s=timeout_s)
+        return infos
+
+    def _voice_call(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        loop = self._loop
+        if loop is None or not self.available:
+            coro.close()
+            return _failed(EngineUnavailableError(self._unavailable_reason, self.ray.retry_after_s))
+        return asyncio.run_coroutine_threadsafe(coro, loop)
 
     @property
     def step_stats(self) -> StepStats | None:
@@ -389,12 +412,37 @@ class RemoteEngine:
         self._voices = list(info.get("voices", []))
         self._features = frozenset(info.get("features", ()))
 
-    async def _ask(self, method: str, **kwargs: Any) -> Any:
-        """One call to a replica method, made by the driver within `ray.control_timeout_s`."""
+    async def _ask(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        """One call to a replica method, made by the driver within `ray.control_timeout_s` (or
+        `timeout_s`, which the driver applies too)."""
         link = self._link
         if link is None:
             raise DriverLostError(self._unavailable_reason, self.ray.retry_after_s)
-        return await link.ask(method, **kwargs)
+        return await link.ask(method, timeout_s=timeout_s, **kwargs)
+
+    async def _register_voice(self, request: dict[str, Any]) -> VoiceInfo:
+        answer = await self._voice_ask("register_voice", request)
+        info: VoiceInfo = answer["info"]
+        if info["id"] not in self._voices:
+            self._voices = [*self._voices, str(info["id"])]
+        logger.info("voice %s registered on %d replica(s)", info["id"], answer.get("replicas", 1))
+        return info
+
+    async def _delete_voice(self, voice_id: str) -> None:
+        await self._voice_ask("delete_voice", {"voice_id": voice_id})
+        self._voices = [v for v in self._voices if v != voice_id]
+
+    async def _voice_ask(self, method: str, request: dict[str, Any]) -> dict[str, Any]:
+        """A voice-book call through the driver; a replica's error answer raises its like here."""
+        try:
+            answer: dict[str, Any] = await self._ask(method, timeout_s=VOICE_TIMEOUT_S, **request)
+        except Exception as exc:  # noqa: BLE001 - Ray raises many types; all mean "not answering"
+            reason = self._reason_for(exc)
+            logger.warning("remote engine %s: %s failed: %s (%s)", self.ray.app_name, method, reason, exc)
+            raise EngineUnavailableError(reason, self.ray.retry_after_s) from None
+        if "error" in answer:
+            raise voice_error(answer["error"])
+        return answer
 
     async def _list_voices(self) -> list[VoiceInfo]:
         try:
@@ -761,6 +809,23 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
     """Read a dropped read's outcome (the stream was cancelled under it), so asyncio does not log it."""
     if not future.cancelled():
         future.exception()
+
+
+def voice_error(error: dict[str, Any]) -> VoiceRTCError:
+    """The front-end's exception for a replica's voice-book error answer: same class and code as
+    in-process, so the HTTP layer answers the same status."""
+    kind, code, message = str(error.get("kind")), str(error.get("code")), str(error.get("message"))
+    exc: VoiceRTCError
+    if kind == "audio":
+        exc = AudioError(code, message, int(error.get("status", 400)))
+    elif kind == "unknown_voice":
+        exc = UnknownVoiceError(message)
+    elif kind == "not_supported":
+        exc = NotSupportedError(message)
+    else:
+        exc = InputError(message)
+    exc.code = code
+    return exc
 
 
 def _forget_session(engine: weakref.ref[RemoteEngine], session: str) -> None:

@@ -34,6 +34,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Awaitable, Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -175,13 +176,17 @@ class Driver:
             raise
 
     async def _answer(self, request_id: int, method: str, kwargs: dict[str, Any]) -> None:
-        own = {
+        own: dict[str, Callable[..., Awaitable[Any]]] = {
             "register_voice": self._register_everywhere,
             "delete_voice": self._delete_everywhere,
             "replica_infos": self._replica_infos,
-        }.get(method)
+        }
         try:
-            result = await (own(**kwargs) if own is not None else self.ask(method, **kwargs))
+            if method in own:
+                kwargs.pop("timeout_s", None)  # its own steps have their own deadlines
+                result = await own[method](**kwargs)
+            else:
+                result = await self.ask(method, **kwargs)
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the asker
             self.send(("reply", request_id, False, self._error(exc)))
             return
@@ -220,13 +225,10 @@ class Driver:
     async def _delete_everywhere(self, voice_id: str) -> dict[str, Any]:
         """Delete on every replica: done when one had it; its error when none did."""
         replicas: list[str | None] = list(affinity.known_replicas(self.ray.app_name)) or [None]
-        answers = await asyncio.gather(
-            *(self.ask("delete_voice", voice_id=voice_id, **({"replica": r} if r else {})) for r in replicas),
-            return_exceptions=True,
+        routes: list[dict[str, Any]] = [{"replica": r} if r else {} for r in replicas]
+        answers: list[dict[str, Any]] = list(
+            await asyncio.gather(*(self.ask("delete_voice", voice_id=voice_id, **route) for route in routes))
         )
-        for answer in answers:
-            if isinstance(answer, BaseException):
-                raise answer
         errors = [a["error"] for a in answers if "error" in a]
         if len(errors) < len(answers):
             return {}
@@ -313,7 +315,7 @@ class Driver:
 
     async def _probe(self, replica: str | None) -> dict[str, Any]:
         """One replica's info (or any replica's, for None); marks that replica healthy or avoided."""
-        routing = {"replica": replica} if replica is not None else {}
+        routing: dict[str, Any] = {"replica": replica} if replica is not None else {}
         try:
             info: dict[str, Any] = await self.ask("info", front_end=affinity.FRONT_END, **routing)
         except Exception as exc:

@@ -250,17 +250,19 @@ class DriverLink:
 
     # --- calls (client loop) -------------------------------------------------------------------------
 
-    async def ask(self, method: str, **kwargs: Any) -> Any:
-        """A replica method's answer; RemoteCallError when it failed, DriverLostError when the driver
-        is gone."""
+    async def ask(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        """A replica method's answer within `timeout_s` (`ray.control_timeout_s`; the driver applies
+        it); RemoteCallError when it failed, DriverLostError when the driver is gone."""
         if not self.alive:
             raise DriverLostError("the front-end's Ray driver process is not running")
         request_id = next(self._ids)
         future = self.loop.create_future()
         self._pending[request_id] = future
+        if timeout_s is not None:
+            kwargs["timeout_s"] = timeout_s
         self.send(("ask", request_id, method, kwargs))
         try:
-            async with asyncio.timeout(self.ray.control_timeout_s + ASK_SLACK_S):
+            async with asyncio.timeout((timeout_s or self.ray.control_timeout_s) + ASK_SLACK_S):
                 return await future
         finally:
             self._pending.pop(request_id, None)

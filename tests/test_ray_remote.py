@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -283,6 +284,36 @@ async def test_four_calls_keep_their_replica_for_three_utterances(engine):
     per_call = await asyncio.gather(*(one_call() for _ in range(4)))
     assert all(len(set(replicas)) == 1 for replicas in per_call), per_call
     assert len({replicas[0] for replicas in per_call}) == 2, per_call  # both replicas serve calls
+
+
+async def test_two_front_ends_spread_sixteen_calls_evenly_over_two_replicas(cluster):
+    """Front-ends A and B (two driver processes, two routers) open 8 calls each, in turn: each places
+    a new call by its own open utterances plus what the replicas report of the other's, so the 16
+    calls end within +-1 of 8 per replica. Nobody reads: every utterance stays open (at its credit)."""
+    probes = {"health_interval_s": 0.2}
+    with remote(ray=probes) as a, remote(ray=probes) as b:
+        assert a.driver_pid != b.driver_pid
+        placed: list[str] = []
+        opened: list[tuple[RemoteEngine, str, Listener]] = []
+        async with contextlib.AsyncExitStack() as stack:
+            for n in range(16):
+                eng, other = (a, b) if n % 2 == 0 else (b, a)
+                _ring, sink = await stack.enter_async_context(played_ring(read=False))
+                listener = Listener()
+                uid = eng.say(None, sink, listener, LONG_TEXT)
+                await listener.first_audio()
+                placed.append(eng.replicas[uid])
+                opened.append((eng, uid, listener))
+                seen = other.health_reports
+                for _ in range(200):  # until the other's driver has asked the replicas since
+                    if other.health_reports >= seen + 2:
+                        break
+                    await asyncio.sleep(0.02)
+            counts = Counter(placed)
+            assert len(counts) == 2 and all(abs(c - 8) <= 1 for c in counts.values()), placed
+            for eng, uid, listener in opened:
+                eng.cancel(uid)
+                assert isinstance(await listener.terminal(), Cancelled), listener.events
 
 
 async def test_front_end_memory_stays_bounded_when_nobody_reads(engine):

@@ -160,6 +160,7 @@ class RemoteEngine:
         self._stopping = False
         self.avoided_replicas: frozenset[str] = frozenset()  # the driver's last health report
         self.reconnects: list[float] = []  # seconds from losing the driver to the next one's join
+        self.health_reports = 0  # probe rounds the driver reported (each: every replica asked once)
 
     # --- lifecycle (blocking; off the server's loop) -------------------------------------------------
 
@@ -465,6 +466,7 @@ class RemoteEngine:
     def _on_health(self, report: dict[str, Any]) -> None:
         """The driver's probe round: availability, voices, features, the replicas it avoids."""
         self.avoided_replicas = frozenset(report.get("avoided", ()))
+        self.health_reports += 1
         if "voices" in report:
             self._on_info(report)
         self._set_available(bool(report["available"]), str(report.get("reason", "")), report.get("detail"))

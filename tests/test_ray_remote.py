@@ -1,16 +1,16 @@
 """The remote engine on a real local Ray cluster: calls speak through Serve replicas.
 
 One cluster for the module (loopback only: node, GCS and agents on 127.0.0.1, no dashboard, no HTTP
-proxy, token auth with a token file of the test's own). Two apps: `fake` (two replicas of the fake
-engine) and `cv2` (two replicas of the tiny CosyVoice2 directory, one voices_dir). Front-ends are
-`RemoteEngine`s in this process (each with its own Ray driver process), the transport is the real
-`Call` with an aiortc peer, or a `RingSink` read at playout pace.
+proxy, token auth with a token file of the test's own; `ray_cluster.local_cluster`). Two apps: `fake`
+(two replicas of the fake engine) and `cv2` (one replica of the tiny CosyVoice2 directory). Front-ends
+are `RemoteEngine`s in this process (each with its own Ray driver process), the transport is the real
+`Call` with an aiortc peer, or a `RingSink` read at playout pace. Two front-ends at once, and voices
+registered through one: `test_ray_frontends.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
 import logging
 import os
@@ -18,8 +18,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import threading
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,103 +29,35 @@ if importlib.util.find_spec("ray") is None:
 
 from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 from call_helpers import PeerClient, fake_config, rms  # noqa: E402
-from cv2_engine_helpers import make_tiny_model_dir  # noqa: E402
+from ray_cluster import (  # noqa: E402
+    CV2_APP,
+    FAKE_APP,
+    LONG_TEXT,
+    Listener,
+    front_end,
+    local_cluster,
+    played_ring,
+    remote,
+)
 from ray_helpers import assert_loopback_only  # noqa: E402
 
 from signaling.app import ENGINE, create_app  # noqa: E402
 from voicertc import __version__  # noqa: E402
 from voicertc.assemble import create_local_engine  # noqa: E402
-from voicertc.audio import PcmRing, RingSink  # noqa: E402
-from voicertc.config import Config, RayConfig  # noqa: E402
-from voicertc.engine.protocol import Cancelled, Done, EngineEvent, Failed, FirstAudio  # noqa: E402
+from voicertc.engine.protocol import Cancelled, Done, Failed, FirstAudio  # noqa: E402
 from voicertc.errors import EngineUnavailableError  # noqa: E402
-from voicertc.remote.client import RemoteEngine, VersionSkewError, apply_auth  # noqa: E402
+from voicertc.remote.client import RemoteEngine, VersionSkewError  # noqa: E402
 from voicertc.remote.deployment import build_app  # noqa: E402
-from voicertc.remote.loopback import loopback_init_options, not_a_cluster  # noqa: E402
 from voicertc.webrtc import patch_aioice_loopback  # noqa: E402
 from voicertc.webrtc.call import Call  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-NOT_A_CLUSTER = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-FAKE_APP = "voicertc-fake"
-CV2_APP = "voicertc-cv2"
-FAKE = {"ttfa_ms": 20, "rtf": 0.25, "chunk_ms": 100}  # 25 ms of compute per 100 ms piece
-LONG_TEXT = "This sentence is long enough to take several seconds to speak out loud. " * 2
-
-
-def front_end(app: str, **sections: dict[str, Any]) -> Config:
-    """A front-end's config: the engine is the Ray app `app`."""
-    ray_keys = {"app_name": app, "open_timeout_s": 20.0, "stall_timeout_s": 5.0, "health_interval_s": 0.5}
-    engine = {"backend": "ray", "max_ahead_ms": 1000, **sections.pop("engine", {})}
-    return fake_config(engine=engine, ray={**ray_keys, **sections.pop("ray", {})}, **sections)
-
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[Path]:
-    """A local Ray cluster on 127.0.0.1 with the two engine apps, torn down after the module; yields the
-    speaking tiny CosyVoice2 directory the cv2 app runs. Ray is imported here, not at collection."""
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", NOT_A_CLUSTER)}
-    # Ray swaps 127.0.0.1 for the host's outward address unless told this is no cluster: keep every
-    # process of the test cluster (GCS, raylet, workers, agents) on loopback (also `not_a_cluster()`).
-    os.environ[NOT_A_CLUSTER] = "0"
-    import ray
-    from ray import serve
-
-    speaking_dir = make_tiny_model_dir(tmp_path_factory.mktemp("cv2_speak"), checkpoints_from=tiny_model_dir)
-    voices_dir = voices_dir_of(speaking_dir)
-    token = tmp_path_factory.mktemp("ray") / "auth_token"
-    token.write_text(secrets.token_hex(32))
-    apply_auth(RayConfig(auth_mode="token", auth_token_path=str(token)))
-    from ray._private import ray_constants
-
-    was_cluster = not_a_cluster()  # read at ray.init (the env var above only if set before import)
-    ray.init(
-        num_cpus=4,
-        **loopback_init_options(),
-        namespace="voicertc",
-        log_to_driver=False,
-        configure_logging=False,
-    )
-    try:
-        serve.start(proxy_location="Disabled")
-        fake = fake_config(fake=FAKE, ray={"num_replicas": 2, "num_cpus": 0.5})
-        cv2 = fake_config(
-            engine={"backend": "cosyvoice2", "model_dir": str(speaking_dir), "voices_dir": str(voices_dir)},
-            ray={"num_replicas": 2, "num_cpus": 0.5},
-        )
-        serve.run_many(  # both apps' replicas start at once
-            [
-                serve.RunTarget(build_app(fake, create_local_engine), name=FAKE_APP, route_prefix=None),
-                serve.RunTarget(build_app(cv2, create_local_engine), name=CV2_APP, route_prefix=None),
-            ]
-        )
+    with local_cluster(tmp_path_factory, tiny_model_dir, cv2_replicas=1) as speaking_dir:
         yield speaking_dir
-    finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        ray.shutdown()
-        ray_constants.ENABLE_RAY_CLUSTER = was_cluster
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def voices_dir_of(speaking_dir: Path) -> Path:
-    """The cv2 app's `[engine] voices_dir` (both replicas share it)."""
-    return speaking_dir.with_name(speaking_dir.name + "_voices")
-
-
-@contextlib.contextmanager
-def remote(app: str = FAKE_APP, **sections: dict[str, Any]) -> Iterator[RemoteEngine]:
-    engine = RemoteEngine(front_end(app, **sections))
-    engine.start()
-    try:
-        yield engine
-    finally:
-        engine.stop()
 
 
 @pytest.fixture(scope="module")
@@ -141,48 +71,6 @@ def loopback_ice():
     restore = patch_aioice_loopback()
     yield
     restore()
-
-
-class Listener:
-    """Collects one utterance's engine events (engine threads) for an asyncio test."""
-
-    def __init__(self) -> None:
-        self.events: list[EngineEvent] = []
-        self._done = threading.Event()
-        self._first = threading.Event()
-
-    def __call__(self, event: EngineEvent) -> None:
-        self.events.append(event)
-        if isinstance(event, FirstAudio):
-            self._first.set()
-        if isinstance(event, Done | Failed | Cancelled):
-            self._done.set()
-
-    async def first_audio(self, timeout_s: float = 20.0) -> None:
-        assert await asyncio.to_thread(self._first.wait, timeout_s), self.events
-
-    async def terminal(self, timeout_s: float = 20.0) -> EngineEvent:
-        assert await asyncio.to_thread(self._done.wait, timeout_s), self.events
-        return self.events[-1]
-
-
-@contextlib.asynccontextmanager
-async def played_ring(read: bool = True, high_water_ms: float = 4000):
-    """A call's ring and sink, read at playout pace (20 ms frames) unless `read` is False."""
-    ring = PcmRing(high_water_ms=high_water_ms)
-    sink = RingSink(ring)
-
-    async def playout() -> None:
-        while True:
-            ring.read(960)
-            await asyncio.sleep(0.02)
-
-    task = asyncio.get_running_loop().create_task(playout()) if read else None
-    try:
-        yield ring, sink
-    finally:
-        if task is not None:
-            task.cancel()
 
 
 def kill_replica(app: str, replica: str) -> None:
@@ -284,36 +172,6 @@ async def test_four_calls_keep_their_replica_for_three_utterances(engine):
     per_call = await asyncio.gather(*(one_call() for _ in range(4)))
     assert all(len(set(replicas)) == 1 for replicas in per_call), per_call
     assert len({replicas[0] for replicas in per_call}) == 2, per_call  # both replicas serve calls
-
-
-async def test_two_front_ends_spread_sixteen_calls_evenly_over_two_replicas(cluster):
-    """Front-ends A and B (two driver processes, two routers) open 8 calls each, in turn: each places
-    a new call by its own open utterances plus what the replicas report of the other's, so the 16
-    calls end within +-1 of 8 per replica. Nobody reads: every utterance stays open (at its credit)."""
-    probes = {"health_interval_s": 0.2}
-    with remote(ray=probes) as a, remote(ray=probes) as b:
-        assert a.driver_pid != b.driver_pid
-        placed: list[str] = []
-        opened: list[tuple[RemoteEngine, str, Listener]] = []
-        async with contextlib.AsyncExitStack() as stack:
-            for n in range(16):
-                eng, other = (a, b) if n % 2 == 0 else (b, a)
-                _ring, sink = await stack.enter_async_context(played_ring(read=False))
-                listener = Listener()
-                uid = eng.say(None, sink, listener, LONG_TEXT)
-                await listener.first_audio()
-                placed.append(eng.replicas[uid])
-                opened.append((eng, uid, listener))
-                seen = other.health_reports
-                for _ in range(200):  # until the other's driver has asked the replicas since
-                    if other.health_reports >= seen + 2:
-                        break
-                    await asyncio.sleep(0.02)
-            counts = Counter(placed)
-            assert len(counts) == 2 and all(abs(c - 8) <= 1 for c in counts.values()), placed
-            for eng, uid, listener in opened:
-                eng.cancel(uid)
-                assert isinstance(await listener.terminal(), Cancelled), listener.events
 
 
 async def test_front_end_memory_stays_bounded_when_nobody_reads(engine):
@@ -498,64 +356,6 @@ async def test_two_cosyvoice2_replicas_share_one_gpu(cluster):
             assert len({eng.replicas[uid] for uid in uids}) == 2
     finally:
         await asyncio.to_thread(serve.delete, "voicertc-cv2-gpu")
-
-
-async def test_voices_registered_through_one_front_end_are_listed_and_spoken_through_another(cluster):
-    """Front-ends A and B (each its own Ray driver process) on the two-replica cv2 app: a voice
-    registered through A is computed once, stored in the app's voices_dir and loaded by both replicas;
-    B lists, describes and speaks it; B deletes it everywhere; the codes are the in-process ones."""
-    import base64
-
-    from audio_clips import clip
-
-    voices_dir = voices_dir_of(cluster)
-    a = TestClient(TestServer(create_app(front_end(CV2_APP))))
-    b = TestClient(TestServer(create_app(front_end(CV2_APP))))
-    await a.start_server()
-    await b.start_server()
-    try:
-        assert a.app[ENGINE].driver_pid != b.app[ENGINE].driver_pid
-        body = {
-            "audio": base64.b64encode(clip(seconds=3.0)).decode(),
-            "transcript": "Hello there.",
-            "id": "ann",
-        }
-        resp = await a.post("/v1/voices", json=body)
-        assert resp.status == 201, await resp.text()
-        ann = await resp.json()
-        assert ann["id"] == "ann" and ann["kind"] == "zero_shot", ann
-        assert (voices_dir / "ann.json").is_file() and (voices_dir / "ann.safetensors").is_file()
-        infos = await asyncio.to_thread(b.app[ENGINE].replica_infos)
-        assert len(infos) == 2 and all("ann" in info["voices"] for info in infos.values()), infos
-
-        resp = await b.get("/v1/voices")
-        assert resp.status == 200, await resp.text()
-        assert "ann" in [v["id"] for v in (await resp.json())["voices"]]
-        resp = await b.get("/v1/voices/ann")
-        assert resp.status == 200 and (await resp.json()) == ann
-        speech = {"input": "Hello.", "voice": "ann", "response_format": "wav"}
-        resp = await b.post("/v1/audio/speech", json=speech)
-        assert resp.status == 200, await resp.text()
-        wav = await resp.read()
-        assert wav[:4] == b"RIFF" and len(wav) > 1000, len(wav)
-
-        resp = await b.post("/v1/voices", json=body)  # the same id again: the in-process code
-        assert resp.status == 409 and (await resp.json())["error"]["code"] == "voice_exists"
-        resp = await b.delete("/v1/voices/ann")
-        assert resp.status == 200, await resp.text()
-        assert not (voices_dir / "ann.json").exists()
-        infos = await asyncio.to_thread(a.app[ENGINE].replica_infos)
-        assert all("ann" not in info["voices"] for info in infos.values()), infos
-        resp = await a.get("/v1/voices/ann")
-        assert resp.status == 404 and (await resp.json())["error"]["code"] == "unknown_voice"
-        resp = await a.delete("/v1/voices/ann")
-        assert resp.status == 404 and (await resp.json())["error"]["code"] == "unknown_voice"
-        sft = next(v for v in (await (await a.get("/v1/voices")).json())["voices"] if not v["deletable"])
-        resp = await a.delete(f"/v1/voices/{sft['id']}")
-        assert resp.status == 409 and (await resp.json())["error"]["code"] == "voice_read_only"
-    finally:
-        await a.close()
-        await b.close()
 
 
 def test_an_engine_without_a_voice_book_refuses_registration_as_in_process(engine):

@@ -157,14 +157,15 @@ class DriverLink:
                 raise error(str(frame[2]))
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Ask the driver to leave the cluster and end; kill it when it does not."""
+        """Ask the driver to leave the cluster and end (one still joining is killed at once); kill it
+        when it does not."""
         self._closing = True
-        self.alive = False
+        joined, self.alive = self.alive, False
         self.send(("stop",))
         proc = self.proc
         if proc is not None:
             try:
-                proc.wait(timeout_s)
+                proc.wait(timeout_s if joined else 0.0)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout_s)

@@ -74,7 +74,7 @@ class Driver:
         self.conn = conn
         self.ray = ray_config
         self.client_version = client_version
-        self._send_lock = threading.Lock()
+        self._send_lock = threading.RLock()  # a log record may be sent from within a send
         self._handle: Any = None
         self._stream_handle: Any = None
         self._streams: dict[str, asyncio.Task[None]] = {}

@@ -205,6 +205,11 @@ class DriverLink:
                 frame = conn.recv()
             except (EOFError, OSError):
                 break
+            except Exception:  # noqa: BLE001 - a frame that does not unpickle: this driver is unusable
+                logger.exception("remote engine %s: unreadable frame from the Ray driver", self.ray.app_name)
+                if self.proc is not None:
+                    self.proc.kill()
+                break
             if frame[0] == "log":
                 _log(frame)
             else:

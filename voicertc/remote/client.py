@@ -160,6 +160,7 @@ class RemoteEngine:
         self._stopping = False
         self.avoided_replicas: frozenset[str] = frozenset()  # the driver's last health report
         self.reconnects: list[float] = []  # seconds from losing the driver to the next one's join
+        self._forgotten: deque[str] = deque()  # sessions whose sink was collected (see forget_session)
         self.health_reports = 0  # probe rounds the driver reported (each: every replica asked once)
 
     # --- lifecycle (blocking; off the server's loop) -------------------------------------------------
@@ -388,9 +389,15 @@ class RemoteEngine:
         return session
 
     def forget_session(self, session: str) -> None:
-        """The call's sink is gone: its pin goes too (any thread)."""
-        if (link := self._link) is not None:
-            link.forget_session(session)
+        """The call's sink is gone: its pin goes too, with the next utterance's frames. Any thread, and
+        from a garbage collection that interrupted a send on the client loop: so it only queues."""
+        self._forgotten.append(session)
+
+    def _send_forgotten(self) -> None:
+        """Client loop: the queued `forget_session`s to the driver."""
+        link = self._link
+        while self._forgotten and link is not None:
+            link.forget_session(self._forgotten.popleft())
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         loop = self._loop
@@ -545,6 +552,7 @@ class RemoteEngine:
             await asyncio.wait(tasks, timeout=2.0)  # let them unwind before the loop stops
 
     def _begin(self, utt: _Utterance) -> None:
+        self._send_forgotten()
         self._utts[utt.utterance_id] = utt
         self.stats["utterances"] += 1
         utt.sink.set_space_listener(self._space_freed)

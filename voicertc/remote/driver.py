@@ -17,7 +17,8 @@ Front-end -> driver:
 Driver -> front-end:
   ("ready", info) | ("failed", code, message)         after joining the cluster and asking a replica
   ("reply", request_id, True, result) | ("reply", request_id, False, error)
-  ("msg", stream_id, message)                         a `voicertc.remote.wire` message of the stream
+  ("msgs", [(stream_id, message), ...])               `voicertc.remote.wire` messages of the streams,
+                                                      in order (what piled up in one loop turn)
   ("end", stream_id, error | None)                    the stream ended (None: after its terminal event)
   ("health", {"available", "reason", "voices", "features", "avoided"})   after each probe round
   ("log", level, logger name, text)                   the child's log records, logged by the front-end
@@ -82,6 +83,7 @@ class Driver:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopped: asyncio.Event | None = None
         self.gcs_address = ""
+        self._outbox: list[tuple[str, Any]] = []  # stream messages of this loop turn (one frame)
 
     def send(self, frame: tuple[Any, ...]) -> None:
         with self._send_lock:
@@ -259,7 +261,7 @@ class Driver:
                 if message[0] == "open" and counted is None:
                     counted = str(message[1]["replica"])
                     affinity.utterance_opened(counted)
-                self.send(("msg", stream_id, message))
+                self._relay(stream_id, message)
                 if _terminal(message):
                     break
         except asyncio.CancelledError:
@@ -271,7 +273,20 @@ class Driver:
                 affinity.utterance_closed(counted)  # ended: it stops counting at once
             self._streams.pop(stream_id, None)
             self._gens.pop(stream_id, None)
+        self._flush_outbox()  # its messages before its end
         self.send(("end", stream_id, error))
+
+    def _relay(self, stream_id: str, message: tuple[Any, ...]) -> None:
+        """Stream messages leave together at the end of this loop turn: one frame, one wake-up of the
+        front-end's reader, however many streams had a piece."""
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush_outbox)
+        self._outbox.append((stream_id, message))
+
+    def _flush_outbox(self) -> None:
+        batch, self._outbox = self._outbox, []
+        if batch:
+            self.send(("msgs", batch))
 
     def _cancel(self, stream_id: str) -> None:
         gen = self._gens.pop(stream_id, None)

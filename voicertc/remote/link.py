@@ -233,9 +233,10 @@ class DriverLink:
                     future.set_result(frame[3])
                 else:
                     future.set_exception(RemoteCallError(frame[3]))
-        elif kind == "msg":
-            if (stream := self._streams.get(frame[1])) is not None:
-                stream.queue.put_nowait(frame[2])
+        elif kind == "msgs":
+            for stream_id, message in frame[1]:
+                if (stream := self._streams.get(stream_id)) is not None:
+                    stream.queue.put_nowait(message)
         elif kind == "end":
             if (stream := self._streams.pop(frame[1], None)) is not None:
                 error = frame[2]

@@ -319,6 +319,8 @@ class Driver:
                 return
             if await asyncio.to_thread(gcs_answer, self.gcs_address, 2.0) == "unreachable":
                 self._end_cluster_gone()
+            if not _app_missing(failure) and not await asyncio.to_thread(_app_deployed, self.ray.app_name):
+                failure = LookupError(f"Application {self.ray.app_name!r} does not exist")  # not a timeout
             health.update(available=False, reason=unavailable_because(self.ray, failure))
             health["detail"] = f"{type(failure).__name__}: {str(failure)[:ERROR_TEXT_CHARS]}"
         else:
@@ -383,6 +385,16 @@ def unavailable_because(ray: RayConfig, exc: BaseException) -> str:
             f"deploy it: voicertc engine-serve --app-name {app} --detach"
         )
     return f"the engine app {app!r} is unavailable ({type(exc).__name__}); details in the log"
+
+
+def _app_deployed(app: str) -> bool:
+    """Serve's controller lists the app (True when it cannot be asked: the probe's reason stands)."""
+    try:
+        from ray import serve
+
+        return app in serve.status().applications
+    except Exception:  # noqa: BLE001 - the controller is away too: keep the probe's own reason
+        return True
 
 
 def _app_missing(exc: BaseException) -> bool:

@@ -21,6 +21,7 @@ import importlib.util
 import logging
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -150,6 +151,7 @@ def cluster(tmp_path) -> Iterator[LocalCluster]:
         yield local
     finally:
         local.stop()
+        shutil.rmtree(local.temp_dir, ignore_errors=True)  # Ray's session files of this cluster
 
 
 @pytest.fixture(autouse=True)

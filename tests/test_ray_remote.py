@@ -1,15 +1,16 @@
 """The remote engine on a real local Ray cluster: calls speak through Serve replicas.
 
 One cluster for the module (loopback only: node, GCS and agents on 127.0.0.1, no dashboard, no HTTP
-proxy, token auth with a token file of the test's own). Two apps: `fake` (two replicas of the fake
-engine) and `cv2` (one replica of the tiny CosyVoice2 directory). Front-ends are `RemoteEngine`s in
-this process, the transport is the real `Call` with an aiortc peer, or a `RingSink` read at playout pace.
+proxy, token auth with a token file of the test's own; `ray_cluster.local_cluster`). Two apps: `fake`
+(two replicas of the fake engine) and `cv2` (one replica of the tiny CosyVoice2 directory). Front-ends
+are `RemoteEngine`s in this process (each with its own Ray driver process), the transport is the real
+`Call` with an aiortc peer, or a `RingSink` read at playout pace. Two front-ends at once, and voices
+registered through one: `test_ray_frontends.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
 import logging
 import os
@@ -17,7 +18,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,98 +29,35 @@ if importlib.util.find_spec("ray") is None:
 
 from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 from call_helpers import PeerClient, fake_config, rms  # noqa: E402
-from cv2_engine_helpers import make_tiny_model_dir  # noqa: E402
+from ray_cluster import (  # noqa: E402
+    CV2_APP,
+    FAKE_APP,
+    LONG_TEXT,
+    Listener,
+    front_end,
+    local_cluster,
+    played_ring,
+    remote,
+)
 from ray_helpers import assert_loopback_only  # noqa: E402
 
 from signaling.app import ENGINE, create_app  # noqa: E402
 from voicertc import __version__  # noqa: E402
 from voicertc.assemble import create_local_engine  # noqa: E402
-from voicertc.audio import PcmRing, RingSink  # noqa: E402
-from voicertc.config import Config, RayConfig  # noqa: E402
-from voicertc.engine.protocol import Cancelled, Done, EngineEvent, Failed, FirstAudio  # noqa: E402
+from voicertc.engine.protocol import Cancelled, Done, Failed, FirstAudio  # noqa: E402
 from voicertc.errors import EngineUnavailableError  # noqa: E402
-from voicertc.remote import affinity  # noqa: E402
-from voicertc.remote.client import RemoteEngine, VersionSkewError, apply_auth  # noqa: E402
+from voicertc.remote.client import RemoteEngine, VersionSkewError  # noqa: E402
 from voicertc.remote.deployment import build_app  # noqa: E402
-from voicertc.remote.loopback import loopback_init_options, not_a_cluster  # noqa: E402
 from voicertc.webrtc import patch_aioice_loopback  # noqa: E402
 from voicertc.webrtc.call import Call  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-NOT_A_CLUSTER = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-FAKE_APP = "voicertc-fake"
-CV2_APP = "voicertc-cv2"
-FAKE = {"ttfa_ms": 20, "rtf": 0.25, "chunk_ms": 100}  # 25 ms of compute per 100 ms piece
-LONG_TEXT = "This sentence is long enough to take several seconds to speak out loud. " * 2
-
-
-def front_end(app: str, **sections: dict[str, Any]) -> Config:
-    """A front-end's config: the engine is the Ray app `app`."""
-    ray_keys = {"app_name": app, "open_timeout_s": 20.0, "stall_timeout_s": 5.0, "health_interval_s": 0.5}
-    engine = {"backend": "ray", "max_ahead_ms": 1000, **sections.pop("engine", {})}
-    return fake_config(engine=engine, ray={**ray_keys, **sections.pop("ray", {})}, **sections)
-
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model_dir) -> Iterator[Path]:
-    """A local Ray cluster on 127.0.0.1 with the two engine apps, torn down after the module; yields the
-    speaking tiny CosyVoice2 directory the cv2 app runs. Ray is imported here, not at collection."""
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", NOT_A_CLUSTER)}
-    # Ray swaps 127.0.0.1 for the host's outward address unless told this is no cluster: keep every
-    # process of the test cluster (GCS, raylet, workers, agents) on loopback (also `not_a_cluster()`).
-    os.environ[NOT_A_CLUSTER] = "0"
-    import ray
-    from ray import serve
-
-    speaking_dir = make_tiny_model_dir(tmp_path_factory.mktemp("cv2_speak"), checkpoints_from=tiny_model_dir)
-    token = tmp_path_factory.mktemp("ray") / "auth_token"
-    token.write_text(secrets.token_hex(32))
-    apply_auth(RayConfig(auth_mode="token", auth_token_path=str(token)))
-    from ray._private import ray_constants
-
-    was_cluster = not_a_cluster()  # read at ray.init (the env var above only if set before import)
-    ray.init(
-        num_cpus=4,
-        **loopback_init_options(),
-        namespace="voicertc",
-        log_to_driver=False,
-        configure_logging=False,
-    )
-    try:
-        serve.start(proxy_location="Disabled")
-        fake = fake_config(fake=FAKE, ray={"num_replicas": 2, "num_cpus": 0.5})
-        cv2 = fake_config(
-            engine={"backend": "cosyvoice2", "model_dir": str(speaking_dir), "voices_dir": ""},
-            ray={"num_replicas": 1, "num_cpus": 0.5},
-        )
-        serve.run_many(  # both apps' replicas start at once
-            [
-                serve.RunTarget(build_app(fake, create_local_engine), name=FAKE_APP, route_prefix=None),
-                serve.RunTarget(build_app(cv2, create_local_engine), name=CV2_APP, route_prefix=None),
-            ]
-        )
+    with local_cluster(tmp_path_factory, tiny_model_dir, cv2_replicas=1) as speaking_dir:
         yield speaking_dir
-    finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        ray.shutdown()
-        ray_constants.ENABLE_RAY_CLUSTER = was_cluster
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-@contextlib.contextmanager
-def remote(app: str = FAKE_APP, **sections: dict[str, Any]) -> Iterator[RemoteEngine]:
-    engine = RemoteEngine(front_end(app, **sections))
-    engine.start()
-    try:
-        yield engine
-    finally:
-        engine.stop()
 
 
 @pytest.fixture(scope="module")
@@ -134,48 +71,6 @@ def loopback_ice():
     restore = patch_aioice_loopback()
     yield
     restore()
-
-
-class Listener:
-    """Collects one utterance's engine events (engine threads) for an asyncio test."""
-
-    def __init__(self) -> None:
-        self.events: list[EngineEvent] = []
-        self._done = threading.Event()
-        self._first = threading.Event()
-
-    def __call__(self, event: EngineEvent) -> None:
-        self.events.append(event)
-        if isinstance(event, FirstAudio):
-            self._first.set()
-        if isinstance(event, Done | Failed | Cancelled):
-            self._done.set()
-
-    async def first_audio(self, timeout_s: float = 20.0) -> None:
-        assert await asyncio.to_thread(self._first.wait, timeout_s), self.events
-
-    async def terminal(self, timeout_s: float = 20.0) -> EngineEvent:
-        assert await asyncio.to_thread(self._done.wait, timeout_s), self.events
-        return self.events[-1]
-
-
-@contextlib.asynccontextmanager
-async def played_ring(read: bool = True, high_water_ms: float = 4000):
-    """A call's ring and sink, read at playout pace (20 ms frames) unless `read` is False."""
-    ring = PcmRing(high_water_ms=high_water_ms)
-    sink = RingSink(ring)
-
-    async def playout() -> None:
-        while True:
-            ring.read(960)
-            await asyncio.sleep(0.02)
-
-    task = asyncio.get_running_loop().create_task(playout()) if read else None
-    try:
-        yield ring, sink
-    finally:
-        if task is not None:
-            task.cancel()
 
 
 def kill_replica(app: str, replica: str) -> None:
@@ -334,7 +229,7 @@ def test_a_wrong_token_is_reported_as_rejected_not_unreachable(cluster, tmp_path
     address = ray.get_runtime_context().gcs_address
     script = (
         "from voicertc.config import RayConfig\n"
-        "from voicertc.remote.client import connect_ray\n"
+        "from voicertc.remote.connect import connect_ray\n"
         "from voicertc.errors import EngineUnavailableError\n"
         "try:\n"
         f"    connect_ray(RayConfig(address={address!r}, auth_token_path={str(wrong)!r}))\n"
@@ -382,17 +277,17 @@ async def test_a_stalled_replica_is_avoided_alone_and_taken_back_when_it_answers
                 assert isinstance(await after.terminal(), Done), after.events
                 assert eng.replicas[next_uid] != victim
                 await asyncio.sleep(1.5)  # health probes run meanwhile (one of them times out)
-                assert affinity.avoided(victim)
+                assert eng.avoided(victim)
             finally:
                 os.kill(pid, signal.SIGCONT)
                 watcher.cancel()
             assert availability and all(availability), "the whole engine was marked unavailable"
 
         for _ in range(100):  # a probe of it succeeds: it is taken back
-            if not affinity.avoided(victim):
+            if not eng.avoided(victim):
                 break
             await asyncio.sleep(0.1)
-        assert not affinity.avoided(victim)
+        assert not eng.avoided(victim)
         async with played_ring() as (_ring, new_sink):  # a new call goes to the least loaded: the victim
             fresh = Listener()
             uid = eng.say(None, new_sink, fresh, "A new call.")
@@ -463,36 +358,17 @@ async def test_two_cosyvoice2_replicas_share_one_gpu(cluster):
         await asyncio.to_thread(serve.delete, "voicertc-cv2-gpu")
 
 
-async def test_voices_are_listed_from_the_replicas_and_registration_says_what_to_do(cluster):
-    """GET /v1/voices and /v1/voices/{id} answer from a replica's voice book (no 500); registering
-    and deleting answer 400 `not_supported`, naming what works instead."""
-    import base64
-
+def test_an_engine_without_a_voice_book_refuses_registration_as_in_process(engine):
+    """The fake replicas register nothing: 400 `not_supported`, as the in-process fake answers."""
     from audio_clips import clip
 
-    client = TestClient(TestServer(create_app(front_end(CV2_APP))))
-    await client.start_server()
-    try:
-        engine = client.app[ENGINE]
-        resp = await client.get("/v1/voices")
-        assert resp.status == 200, await resp.text()
-        voices = (await resp.json())["voices"]
-        assert [v["id"] for v in voices] == engine.voices() and voices, voices
-        first = voices[0]
-        resp = await client.get(f"/v1/voices/{first['id']}")
-        assert resp.status == 200, await resp.text()
-        assert await resp.json() == first
-        assert (await client.get("/v1/voices/no-such-voice")).status == 404
+    from voicertc.audio.decode import decode_audio
+    from voicertc.errors import NotSupportedError
 
-        body = {"audio": base64.b64encode(clip(seconds=3.0)).decode(), "transcript": "Hello there."}
-        resp = await client.post("/v1/voices", json=body)
-        assert resp.status == 400, await resp.text()
-        error = (await resp.json())["error"]
-        assert error["code"] == "not_supported" and "voices_dir" in error["message"], error
-        resp = await client.delete(f"/v1/voices/{first['id']}")
-        assert resp.status == 400 and (await resp.json())["error"]["code"] == "not_supported"
-    finally:
-        await client.close()
+    future = engine.register_voice(decode_audio(clip(seconds=2.0)), "Hello.", None, "")
+    with pytest.raises(NotSupportedError) as err:
+        future.result(30)
+    assert err.value.code == "not_supported"
 
 
 async def test_http_front_end_location_and_503_while_the_engine_is_gone(cluster):

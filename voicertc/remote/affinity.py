@@ -62,6 +62,11 @@ def avoided(replica: str) -> bool:
         return replica in _lost
 
 
+def avoided_replicas() -> list[str]:
+    with _lock:
+        return sorted(_lost)
+
+
 def set_replicas(app: str, replicas: list[str]) -> None:
     """The routers' current replica set of `app` (unique ids); dropped replicas are forgotten."""
     with _lock:

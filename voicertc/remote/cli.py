@@ -116,7 +116,7 @@ def deploy(
     import ray
     from ray import serve
 
-    from voicertc.remote.client import apply_auth, connect_ray
+    from voicertc.remote.connect import apply_auth, connect_ray
     from voicertc.remote.deployment import build_app
     from voicertc.remote.loopback import loopback_init_options, not_a_cluster
 

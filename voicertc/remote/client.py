@@ -4,14 +4,21 @@ The front-end's transport (calls, speech queues, rings) is unchanged: it opens u
 text and cancels, and PCM arrives in the same `RingSink`. Behind the seam, each utterance is one
 streaming call to a replica (`EngineReplica.stream`), pinned per call by `SessionAffinityRouter`.
 
+Process: this front-end never joins the Ray cluster itself. Its Ray driver (the deployment handle, the
+router, the health probes) runs in a child process (`voicertc.remote.driver`, reached through
+`voicertc.remote.link.DriverLink`), because Ray ends a driver's process when the cluster stops. When
+that child dies, open utterances end with `engine_lost`, speak answers 503 `engine_unavailable` with
+Retry-After, `/readyz` says why, calls stay up, and a new child is started with a bounded backoff
+(`RECONNECT_FIRST_S` doubling up to `ray.retry_after_s`) until the cluster and the app answer again.
+
 Threads: public methods are safe from any thread; they hop onto the client's own event loop thread
-("voicertc-remote"), which plays the engine thread's role: it owns the deployment handle, writes the
+("voicertc-remote"), which plays the engine thread's role: it owns the driver link, writes the
 sinks (resampling there, off the server's loop) and sends the engine events.
 
 Faults: a replica that dies or drains mid-utterance, or stays silent for `ray.stall_timeout_s` while it
 has text and credit, fails the utterance with code `engine_lost` (never silence), and the call's next
-utterance goes to another replica. A health probe every `ray.health_interval_s` marks the engine
-unavailable while the app cannot be reached: opening an utterance then raises
+utterance goes to another replica. A health probe (in the driver) every `ray.health_interval_s` marks
+the engine unavailable while the app cannot be reached: opening an utterance then raises
 `EngineUnavailableError` (HTTP 503 + Retry-After); calls stay up.
 
 Flow control: the client reports how much of an utterance has played out of the ring (`played_ms`),
@@ -21,8 +28,8 @@ and the replica stays at most `engine.max_ahead_ms` ahead of it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import os
 import socket
 import threading
 import time
@@ -34,7 +41,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
+
 from voicertc import __version__
+from voicertc.audio.decode import AudioError
 from voicertc.config import Config, RayConfig
 from voicertc.engine.delivery import Delivery, Wrote
 from voicertc.engine.protocol import (
@@ -47,9 +57,23 @@ from voicertc.engine.protocol import (
     SpeakOptions,
 )
 from voicertc.engine.voice_book import VoiceInfo
-from voicertc.errors import EngineUnavailableError, InputError, NotSupportedError, UnknownVoiceError
-from voicertc.remote import affinity
-from voicertc.remote.wire import PROTOCOL, check_versions, pcm_from_message
+from voicertc.errors import (
+    EngineUnavailableError,
+    InputError,
+    NotSupportedError,
+    UnknownVoiceError,
+    VoiceRTCError,
+)
+from voicertc.remote.connect import apply_auth, connect_ray
+from voicertc.remote.driver import VOICE_TIMEOUT_S
+from voicertc.remote.link import (
+    DriverLink,
+    DriverLostError,
+    LinkStream,
+    RemoteCallError,
+    VersionSkewError,
+)
+from voicertc.remote.wire import pcm_from_message
 
 if TYPE_CHECKING:
     from voicertc.audio.decode import Clip
@@ -58,30 +82,19 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+__all__ = ["RemoteEngine", "VersionSkewError", "apply_auth", "connect_ray", "short_message"]
+
 logger = logging.getLogger(__name__)
 
 ENGINE_LOST = "engine_lost"
 MAX_MESSAGE_CHARS = 200  # caller-facing error messages: one short, stable line (details go to the log)
-REGISTER_NOT_SUPPORTED = (
-    'registering voices through a front-end with engine.backend = "ray" is not supported yet: save the '
-    "voice into the replicas' [engine] voices_dir (register it on an in-process server using that "
-    "directory) and redeploy; replicas load the voices there when they start"
-)
-DELETE_NOT_SUPPORTED = (
-    'deleting voices through a front-end with engine.backend = "ray" is not supported yet: remove it from '
-    "the replicas' [engine] voices_dir and redeploy"
-)
 MAX_REASON_CHARS = 300  # /readyz and 503 reasons: may name the app, the address and the command to run
 REPLICAS_KEPT = 10_000  # utterance id -> replica, for operators and tests
 CREDIT_SLACK_MS = 100.0
 DELAYS_KEPT = 100_000  # recent per-chunk hop delays (replica on this machine), for bench.remote_load
-_HOST = socket.gethostname()  # a replica within this of its credit limit is waiting for credit, not stalled
-
-
-class VersionSkewError(EngineUnavailableError):
-    """The engine app runs another voicertc version than this front-end (refused at connect)."""
-
-    code = "version_skew"
+RECONNECT_FIRST_S = 0.25  # first wait before a new driver process; doubles up to ray.retry_after_s
+CLUSTER_LOST = "the connection to the engine cluster was lost"
+_HOST = socket.gethostname()
 
 
 @dataclass(kw_only=True, eq=False)
@@ -102,10 +115,9 @@ class _Utterance(Delivery):
     credited_ms: float = 0.0
     done: dict[str, Any] | None = None  # the replica's "done", held until pending PCM is written
     finished: bool = False
-    counted_on: str | None = None  # the replica whose load this utterance counts in (until it ends)
     task: asyncio.Task[None] | None = None
     control_task: asyncio.Task[None] | None = None
-    gen: Any = None
+    gen: LinkStream | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -142,32 +154,36 @@ class RemoteEngine:
         self._unavailable_reason = "the remote engine is not started"
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._handle: Any = None
-        self._stream_handle: Any = None
-        self._health: asyncio.Task[None] | None = None
-        self._owns_ray = False
+        self._link: DriverLink | None = None
+        self._starting: DriverLink | None = None  # a driver being started by the reconnect task
+        self._reconnect_task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.avoided_replicas: frozenset[str] = frozenset()  # the driver's last health report
+        self.reconnects: list[float] = []  # seconds from losing the driver to the next one's join
+        self._forgotten: deque[str] = deque()  # sessions whose sink was collected (see forget_session)
+        self.health_reports = 0  # probe rounds the driver reported (each: every replica asked once)
 
     # --- lifecycle (blocking; off the server's loop) -------------------------------------------------
 
     def start(self) -> None:
-        """Connect to the cluster and the engine app, check versions; raises EngineUnavailableError
-        naming the address (or VersionSkewError naming both versions) when that fails."""
+        """Start the driver process and wait until it joined the cluster and a replica answered;
+        raises EngineUnavailableError naming the address (or VersionSkewError naming both versions)."""
         if self._thread is not None:
             return
-        self._owns_ray = connect_ray(self.ray)
+        self._stopping = False
         loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=loop.run_forever, name="voicertc-remote", daemon=True)
         self._loop = loop
         self._thread.start()
+        link = self._new_link()
         try:
-            info = self._call(self._connect(), timeout_s=self.ray.connect_timeout_s + 5.0)
+            info = link.start()
         except BaseException:
             self.stop()
             raise
-        self._voices = list(info.get("voices", []))
-        self._features = frozenset(info.get("features", ()))
+        self._link = link
+        self._on_info(info)
         self._set_available(True)
-        self._health = self._call(self._start_health(), timeout_s=5.0)
         logger.info(
             "remote engine: app %s at %s (model %s, voices %s)",
             self.ray.app_name,
@@ -177,26 +193,36 @@ class RemoteEngine:
         )
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Cancel every open utterance and close the client loop (the replicas stay up)."""
+        """Cancel every open utterance, end the driver process and close the client loop (the
+        replicas stay up)."""
         loop, thread = self._loop, self._thread
         if loop is None or thread is None:
             return
+        self._stopping = True
         self._available = False
         self._unavailable_reason = "the remote engine is stopped"
         try:
             self._call(self._shutdown(), timeout_s=timeout_s)
         except Exception:  # noqa: BLE001 - best effort at shutdown
             logger.exception("remote engine: shutdown failed")
+        for link in (self._starting, self._link):
+            if link is not None:
+                link.close()
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout_s)
         loop.close()
         self._loop = self._thread = None
-        self._handle = None
-        if self._owns_ray:
-            import ray
+        self._link = self._starting = None
 
-            ray.shutdown()
-            self._owns_ray = False
+    @property
+    def driver_pid(self) -> int | None:
+        """The process id of the current Ray driver process (None while there is none)."""
+        link = self._link
+        return link.pid if link is not None and link.alive else None
+
+    def avoided(self, replica: str) -> bool:
+        """The driver avoids this replica for new calls (it failed, stalled or missed a probe)."""
+        return replica in self.avoided_replicas
 
     @property
     def running(self) -> bool:
@@ -259,12 +285,34 @@ class RemoteEngine:
     def register_voice(
         self, clip: Clip, transcript: str | None, voice_id: str | None, name: str
     ) -> Future[VoiceInfo]:
-        return _failed(NotSupportedError(REGISTER_NOT_SUPPORTED))
+        """Register on every replica: one replica computes the voice and stores it in the app's
+        `[engine] voices_dir`, the others load its files (`voicertc.remote.driver`). The same errors
+        as in-process (voice_exists, bad audio, not_supported for the fake and Piper)."""
+        samples = np.ascontiguousarray(clip.samples, dtype="<f4").tobytes()
+        request = {
+            "samples": samples,
+            "sample_rate_hz": int(clip.sample_rate_hz),
+            "transcript": transcript,
+            "voice_id": voice_id,
+            "name": name,
+        }
+        return self._voice_call(self._register_voice(request))
 
     def delete_voice(self, voice_id: str) -> Future[None]:
-        if voice_id in self._voices:
-            return _failed(NotSupportedError(DELETE_NOT_SUPPORTED))
-        return _failed(UnknownVoiceError(f"unknown voice {voice_id!r}"))
+        """Delete on every replica (and from the voices_dir): unknown_voice when none had it."""
+        return self._voice_call(self._delete_voice(voice_id))
+
+    def replica_infos(self, timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
+        """Each replica's info (version, voices, open utterances), by replica id (blocking)."""
+        infos: dict[str, dict[str, Any]] = self._call(self._ask("replica_infos"), timeout_s=timeout_s)
+        return infos
+
+    def _voice_call(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        loop = self._loop
+        if loop is None or not self.available:
+            coro.close()
+            return _failed(EngineUnavailableError(self._unavailable_reason, self.ray.retry_after_s))
+        return asyncio.run_coroutine_threadsafe(coro, loop)
 
     @property
     def step_stats(self) -> StepStats | None:
@@ -324,7 +372,10 @@ class RemoteEngine:
         replica = self.replicas.get(utterance_id)
         if replica is None:
             return None
-        return self._call(self._report(replica, utterance_id), timeout_s=timeout_s)
+        result: dict[str, Any] | None = self._call(
+            self._ask("report", replica=replica, utterance_id=utterance_id), timeout_s=timeout_s
+        )
+        return result
 
     # --- the client loop -----------------------------------------------------------------------------
 
@@ -334,8 +385,19 @@ class RemoteEngine:
         if session is None:
             session = uuid.uuid4().hex
             self._sessions[sink] = session
-            weakref.finalize(sink, affinity.forget_session, session)
+            weakref.finalize(sink, _forget_session, weakref.ref(self), session)
         return session
+
+    def forget_session(self, session: str) -> None:
+        """The call's sink is gone: its pin goes too, with the next utterance's frames. Any thread, and
+        from a garbage collection that interrupted a send on the client loop: so it only queues."""
+        self._forgotten.append(session)
+
+    def _send_forgotten(self) -> None:
+        """Client loop: the queued `forget_session`s to the driver."""
+        link = self._link
+        while self._forgotten and link is not None:
+            link.forget_session(self._forgotten.popleft())
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         loop = self._loop
@@ -350,131 +412,137 @@ class RemoteEngine:
         assert self._loop is not None
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
-    async def _connect(self) -> dict[str, Any]:
-        from ray import serve
+    def _new_link(self) -> DriverLink:
+        assert self._loop is not None
+        return DriverLink(self.ray, self.client_version, self._loop, self._on_health, self._driver_lost)
 
-        where = f"app {self.ray.app_name!r} on the Ray cluster at {self.ray.address!r}"
-        try:
-            self._handle = serve.get_app_handle(self.ray.app_name)
-            self._stream_handle = self._handle.options(stream=True)
-            async with asyncio.timeout(self.ray.connect_timeout_s):
-                info: dict[str, Any] = await self._handle.info.remote()
-        except TimeoutError:
-            raise EngineUnavailableError(
-                f"the engine {where} did not answer within {self.ray.connect_timeout_s:g} s "
-                "(ray.connect_timeout_s)"
-            ) from None
-        except Exception as exc:  # noqa: BLE001 - Ray raises many types; all mean "not there"
-            raise EngineUnavailableError(f"cannot reach the engine {where}: {exc}") from exc
-        if skew := check_versions(info, self.client_version, PROTOCOL):
-            raise VersionSkewError(skew)
+    def _on_info(self, info: dict[str, Any]) -> None:
+        self._voices = list(info.get("voices", []))
+        self._features = frozenset(info.get("features", ()))
+
+    async def _ask(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        """One call to a replica method, made by the driver within `ray.control_timeout_s` (or
+        `timeout_s`, which the driver applies too)."""
+        link = self._link
+        if link is None:
+            raise DriverLostError(self._unavailable_reason, self.ray.retry_after_s)
+        return await link.ask(method, timeout_s=timeout_s, **kwargs)
+
+    async def _register_voice(self, request: dict[str, Any]) -> VoiceInfo:
+        answer = await self._voice_ask("register_voice", request)
+        info: VoiceInfo = answer["info"]
+        if info["id"] not in self._voices:
+            self._voices = [*self._voices, str(info["id"])]
+        logger.info("voice %s registered on %d replica(s)", info["id"], answer.get("replicas", 1))
         return info
 
-    async def _ask(self, method: str, **kwargs: Any) -> Any:
-        """One call to a replica method within `ray.control_timeout_s`. A call that fails or times
-        out is cancelled in Serve too: one routed to a replica that is gone would otherwise wait in
-        the router for it forever."""
-        response = getattr(self._handle, method).remote(**kwargs)
+    async def _delete_voice(self, voice_id: str) -> None:
+        await self._voice_ask("delete_voice", {"voice_id": voice_id})
+        self._voices = [v for v in self._voices if v != voice_id]
+
+    async def _voice_ask(self, method: str, request: dict[str, Any]) -> dict[str, Any]:
+        """A voice-book call through the driver; a replica's error answer raises its like here."""
         try:
-            async with asyncio.timeout(self.ray.control_timeout_s):
-                return await response
-        except BaseException:
-            response.cancel()
-            raise
+            answer: dict[str, Any] = await self._ask(method, timeout_s=VOICE_TIMEOUT_S, **request)
+        except Exception as exc:  # noqa: BLE001 - Ray raises many types; all mean "not answering"
+            reason = self._reason_for(exc)
+            logger.warning("remote engine %s: %s failed: %s (%s)", self.ray.app_name, method, reason, exc)
+            raise EngineUnavailableError(reason, self.ray.retry_after_s) from None
+        if "error" in answer:
+            raise voice_error(answer["error"])
+        return answer
 
     async def _list_voices(self) -> list[VoiceInfo]:
         try:
             infos: list[VoiceInfo] = await self._ask("voices")
         except Exception as exc:  # noqa: BLE001 - Ray raises many types; all mean "not answering"
-            reason = self._unavailable_because(exc)
-            logger.warning("remote engine %s: listing voices failed: %s (%r)", self.ray.app_name, reason, exc)
+            reason = self._reason_for(exc)
+            logger.warning("remote engine %s: listing voices failed: %s (%s)", self.ray.app_name, reason, exc)
             raise EngineUnavailableError(reason, self.ray.retry_after_s) from None
         self._voices = [str(info["id"]) for info in infos]
         return infos
 
-    async def _start_health(self) -> asyncio.Task[None]:
-        return asyncio.get_running_loop().create_task(self._health_loop())
+    def _reason_for(self, exc: BaseException) -> str:
+        """What a caller is told when a replica call failed (no Ray internals)."""
+        if isinstance(exc, RemoteCallError):
+            return exc.reason
+        if isinstance(exc, TimeoutError):
+            return f"the engine app {self.ray.app_name!r} did not answer in time"
+        return short_message(str(exc), MAX_REASON_CHARS)
 
-    async def _health_loop(self) -> None:
-        """Probe every replica (exact routing) each `health_interval_s`: a replica that does not answer
-        is avoided, one that answers again takes new calls again, and their reported loads feed the
-        router. The engine is unavailable only while no replica answers."""
-        while True:
-            await asyncio.sleep(self.ray.health_interval_s)
-            await self._probe_replicas()
+    def _on_health(self, report: dict[str, Any]) -> None:
+        """The driver's probe round: availability, voices, features, the replicas it avoids."""
+        self.avoided_replicas = frozenset(report.get("avoided", ()))
+        self.health_reports += 1
+        if "voices" in report:
+            self._on_info(report)
+        self._set_available(bool(report["available"]), str(report.get("reason", "")), report.get("detail"))
 
-    async def _probe_replicas(self) -> None:
-        replicas = affinity.known_replicas(self.ray.app_name)
-        targets: list[str | None] = list(replicas) or [None]  # None: any replica (none known yet)
-        results = await asyncio.gather(*(self._probe(rid) for rid in targets), return_exceptions=True)
-        answers = [r for r in results if isinstance(r, dict)]
-        if not answers:
-            failure = next((r for r in results if isinstance(r, BaseException)), None)
-            if failure is not None:
-                self._set_available(False, self._unavailable_because(failure), detail=failure)
-            return
-        info = answers[0]
-        if skew := check_versions(info, self.client_version, PROTOCOL):
-            self._set_available(False, skew)
-            return
-        self._voices = list(info.get("voices", self._voices))
-        self._set_available(True)
+    def _driver_lost(self, reason: str) -> None:
+        """The driver process died (the cluster stopped under it): 503 meanwhile, start a new one."""
+        self._link = None
+        self._set_available(False, f"{reason}; reconnecting")
+        if not self._stopping and (self._reconnect_task is None or self._reconnect_task.done()):
+            self._reconnect_task = asyncio.get_running_loop().create_task(self._reconnect())
 
-    async def _probe(self, replica: str | None) -> dict[str, Any]:
-        """One replica's info (or any replica's, for None); marks that replica healthy or avoided."""
-        routing = {"replica": replica} if replica is not None else {}
-        try:
-            info: dict[str, Any] = await self._ask("info", front_end=affinity.FRONT_END, **routing)
-        except Exception as exc:
-            if replica is not None and not affinity.avoided(replica):
-                affinity.forget_replica(replica)
-                logger.warning(
-                    "remote engine %s: replica %s missed its health probe, avoided until it answers (%s)",
+    async def _reconnect(self) -> None:
+        """New driver processes, `RECONNECT_FIRST_S` apart doubling up to `ray.retry_after_s`, until
+        one joins the cluster and a replica answers."""
+        lost_at = time.monotonic()
+        delay_s = RECONNECT_FIRST_S
+        cap_s = max(RECONNECT_FIRST_S, float(self.ray.retry_after_s))
+        for attempt in itertools.count(1):
+            await asyncio.sleep(delay_s)
+            link = self._starting = self._new_link()
+            try:
+                info = await asyncio.to_thread(link.start)
+            except EngineUnavailableError as exc:
+                if self._stopping:
+                    return
+                delay_s = min(cap_s, delay_s * 2.0)
+                self._set_available(False, f"{exc}; reconnecting")
+                logger.log(
+                    logging.WARNING if attempt == 1 else logging.INFO,
+                    "remote engine %s: reconnect try %d failed (%s); next in %.2f s",
                     self.ray.app_name,
-                    replica,
-                    type(exc).__name__,
+                    attempt,
+                    short_message(str(exc)),
+                    delay_s,
                 )
-            raise
-        answered = str(info.get("replica", replica or ""))
-        if answered:
-            if affinity.recovered(answered):
-                logger.info(
-                    "remote engine %s: replica %s answers again; it takes new calls",
-                    self.ray.app_name,
-                    answered,
-                )
-            affinity.report_load(answered, int(info.get("others_open", 0)))
-        return info
+                continue
+            finally:
+                self._starting = None
+            if self._stopping:
+                link.close()
+                return
+            self._link = link
+            self._on_info(info)
+            self.reconnects.append(time.monotonic() - lost_at)
+            logger.warning(
+                "remote engine %s: reconnected to the Ray cluster at %s after %.1f s (%d tries)",
+                self.ray.app_name,
+                self.ray.address,
+                self.reconnects[-1],
+                attempt,
+            )
+            self._set_available(True)
+            return
 
-    def _set_available(self, available: bool, reason: str = "", detail: BaseException | None = None) -> None:
+    def _set_available(self, available: bool, reason: str = "", detail: Any = None) -> None:
         """`reason` is what /readyz and a 503 say (one short line); `detail` goes to the log only."""
         if available != self._available:
             if available:
                 logger.info("remote engine %s: available", self.ray.app_name)
             elif detail is not None:
-                logger.warning(
-                    "remote engine %s: %s (%s: %s)", self.ray.app_name, reason, type(detail).__name__, detail
-                )
+                logger.warning("remote engine %s: %s (%s)", self.ray.app_name, reason, detail)
             else:
                 logger.warning("remote engine %s: %s", self.ray.app_name, reason)
         self._available = available
         if reason:
             self._unavailable_reason = short_message(reason, MAX_REASON_CHARS)
 
-    def _unavailable_because(self, exc: BaseException) -> str:
-        """The caller-facing reason the app does not answer, from Ray's exception (no Ray internals)."""
-        app = self.ray.app_name
-        if isinstance(exc, TimeoutError):
-            return f"the engine app {app!r} did not answer within {self.ray.control_timeout_s:g} s"
-        if _app_missing(exc):
-            return (
-                f"the engine app {app!r} is not deployed on the Ray cluster at {self.ray.address!r}; "
-                f"deploy it: voicertc engine-serve --app-name {app} --detach"
-            )
-        return f"the engine app {app!r} is unavailable ({type(exc).__name__}); details in the log"
-
     async def _shutdown(self) -> None:
-        tasks = [t for t in (self._health,) if t is not None]
+        tasks = [t for t in (self._reconnect_task,) if t is not None]
         for utt in list(self._utts.values()):
             tasks += [t for t in (utt.task, utt.control_task) if t is not None]
             self._finish(utt, Cancelled(utt.utterance_id))
@@ -483,13 +551,8 @@ class RemoteEngine:
         if tasks:
             await asyncio.wait(tasks, timeout=2.0)  # let them unwind before the loop stops
 
-    async def _report(self, replica: str, utterance_id: str) -> dict[str, Any] | None:
-        result: dict[str, Any] | None = await self._handle.report.remote(
-            replica=replica, utterance_id=utterance_id
-        )
-        return result
-
     def _begin(self, utt: _Utterance) -> None:
+        self._send_forgotten()
         self._utts[utt.utterance_id] = utt
         self.stats["utterances"] += 1
         utt.sink.set_space_listener(self._space_freed)
@@ -526,10 +589,12 @@ class RemoteEngine:
         """The utterance's stream: open on a replica, then write its PCM into the sink."""
         text, utt.outbox = "".join(utt.outbox), []
         utt.end_sent = utt.input_ended
-        handle = self._stream_handle
+        link = self._link
         next_message: asyncio.Future[Any] | None = None
         try:
-            utt.gen = handle.stream.remote(
+            if link is None:
+                raise DriverLostError(self._unavailable_reason)
+            utt.gen = gen = link.stream(
                 session=utt.session,
                 utterance_id=utt.utterance_id,
                 voice=utt.voice,
@@ -538,12 +603,11 @@ class RemoteEngine:
                 max_ahead_ms=self.max_ahead_ms,
                 instruct=utt.options.instruct,
                 speed=utt.options.speed,
-                front_end=affinity.FRONT_END,
             )
             opened = False
             while not utt.finished and utt.done is None:  # after "done", only the ring may hold it up
                 if next_message is None:
-                    next_message = asyncio.ensure_future(utt.gen.__anext__())
+                    next_message = asyncio.ensure_future(gen.__anext__())
                 timeout_s = self.ray.stall_timeout_s if opened else self.ray.open_timeout_s
                 done, _ = await asyncio.wait({next_message}, timeout=timeout_s)
                 if not done:
@@ -564,6 +628,8 @@ class RemoteEngine:
             self._lost(utt, "the engine replica ended the stream without a result")
         except asyncio.CancelledError:
             raise
+        except DriverLostError as exc:  # the cluster stopped under the driver (or it was killed)
+            self._lost(utt, CLUSTER_LOST, detail=exc)
         except Exception as exc:  # noqa: BLE001 - a dead or drained replica: this utterance is lost
             self._lost(utt, "the engine replica was lost (it died or was shut down)", detail=exc)
         finally:
@@ -589,9 +655,6 @@ class RemoteEngine:
             self._flush(utt)
         elif kind == "open":
             utt.replica = str(message[1]["replica"])
-            if utt.counted_on is None:
-                utt.counted_on = utt.replica
-                affinity.utterance_opened(utt.replica)
             self.replica_pids[utt.replica] = int(message[1].get("pid", 0))
             self.replicas[utt.utterance_id] = utt.replica
             while len(self.replicas) > REPLICAS_KEPT:
@@ -691,9 +754,9 @@ class RemoteEngine:
         actor ids); Ray's own account (`detail`) goes to the log with the utterance and session ids."""
         if utt.finished:
             return
-        replica = self._replica_of(utt)
-        if replica is not None:
-            affinity.forget_replica(replica)
+        replica = utt.replica
+        if (link := self._link) is not None:
+            link.forget(replica, utt.session)  # the driver unpins it and avoids that replica
         self.stats["engine_lost"] += 1
         logger.warning(
             "utterance %s (session %s) lost its engine replica %s: %s",
@@ -712,10 +775,6 @@ class RemoteEngine:
             )
         self._fail(utt, ENGINE_LOST, short_message(why))
 
-    def _replica_of(self, utt: _Utterance) -> str | None:
-        """The replica serving `utt`: from its `open` header, else the one the router pinned it to."""
-        return utt.replica or affinity.pinned_replica(utt.session)
-
     def _fail(self, utt: _Utterance, code: str, message: str) -> None:
         self._finish(utt, Failed(utt.utterance_id, code, message))
 
@@ -724,8 +783,6 @@ class RemoteEngine:
         if utt.finished:
             return
         utt.finished = True
-        if utt.counted_on is not None:
-            affinity.utterance_closed(utt.counted_on)  # ended: it stops counting at once
         self._utts.pop(utt.utterance_id, None)
         with self._lock:
             self._open.discard(utt.utterance_id)
@@ -758,144 +815,33 @@ def short_message(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
     return line if len(line) <= limit else line[: limit - 3].rstrip() + "..."
 
 
-def _app_missing(exc: BaseException) -> bool:
-    """Ray says the app or its deployment is gone (deleted, never deployed); its message is terse."""
-    text = str(exc)
-    return (
-        type(exc).__name__ in ("DeploymentUnavailableError",)
-        or "does not exist" in text
-        or (text.startswith("Deployment(name="))
-    )
-
-
 def _retrieve(future: asyncio.Future[Any]) -> None:
     """Read a dropped read's outcome (the stream was cancelled under it), so asyncio does not log it."""
     if not future.cancelled():
         future.exception()
 
 
-def apply_auth(ray_config: RayConfig) -> None:
-    """Set Ray's token-auth environment from `[ray]` (before `ray.init` / `ray start`).
-
-    Ray reads RAY_AUTH_MODE / RAY_AUTH_TOKEN_PATH into its cached config when it is imported; the
-    cache is refreshed here the way Ray itself does when it turns token auth on."""
-    os.environ["RAY_AUTH_MODE"] = ray_config.auth_mode
-    if ray_config.auth_token_path:
-        os.environ["RAY_AUTH_TOKEN_PATH"] = ray_config.auth_token_path
-    try:
-        from ray._raylet import Config as RayletConfig  # type: ignore[attr-defined]
-
-        RayletConfig.initialize("")
-    except Exception:  # noqa: BLE001 - a Ray without this hook reads the environment at init
-        logger.debug("could not refresh Ray's cached config", exc_info=True)
-
-
-def _loopback_cluster(address: str) -> bool:
-    """The cluster runs on this machine's 127.0.0.1 (`engine-serve --local`, or "auto" finding one)."""
-    address = _resolve_auto(address)
-    host = address.removeprefix("ray://").rpartition(":")[0] or address
-    return host in ("127.0.0.1", "localhost", "[::1]")
+def voice_error(error: dict[str, Any]) -> VoiceRTCError:
+    """The front-end's exception for a replica's voice-book error answer: same class and code as
+    in-process, so the HTTP layer answers the same status."""
+    kind, code, message = str(error.get("kind")), str(error.get("code")), str(error.get("message"))
+    exc: VoiceRTCError
+    if kind == "audio":
+        exc = AudioError(code, message, int(error.get("status", 400)))
+    elif kind == "unknown_voice":
+        exc = UnknownVoiceError(message)
+    elif kind == "not_supported":
+        exc = NotSupportedError(message)
+    else:
+        exc = InputError(message)
+    exc.code = code
+    return exc
 
 
-def _resolve_auto(address: str) -> str:
-    """The address "auto" stands for (RAY_ADDRESS, else the one local cluster, else the last `ray start`
-    cluster); '' when that finds none or several. Other addresses unchanged."""
-    if address != "auto":
-        return address
-    from ray._private import services, utils
-
-    if env := os.environ.get("RAY_ADDRESS"):
-        return env
-    running = sorted(services.find_gcs_addresses())
-    if len(running) == 1:
-        return str(running[0])
-    latest = utils.read_ray_address(None)  # the last `ray start` here (a stale file names a dead one)
-    return str(latest) if latest in running else ""
-
-
-def connect_ray(ray_config: RayConfig) -> bool:
-    """Join the cluster as a driver (unless this process already did); True when this call did.
-
-    Token auth follows `ray.auth_mode` / `ray.auth_token_path` (Ray reads them from the environment).
-    An unreachable address raises EngineUnavailableError naming it, within `ray.connect_timeout_s`.
-    """
-    import ray
-
-    if ray.is_initialized():
-        return False
-    apply_auth(ray_config)
-    if _loopback_cluster(ray_config.address):
-        from voicertc.remote.loopback import not_a_cluster
-
-        not_a_cluster()  # else Ray swaps 127.0.0.1 for this host's outward address and cannot connect
-    if gcs_answer(ray_config.address) == TOKEN_REJECTED:
-        raise EngineUnavailableError(token_rejected_message(ray_config))
-    error: list[BaseException] = []
-
-    def init() -> None:
-        try:
-            ray.init(
-                address=ray_config.address,
-                namespace=ray_config.namespace,
-                log_to_driver=False,
-                logging_level=logging.WARNING,
-            )
-        except BaseException as exc:  # noqa: BLE001 - re-raised below with the address
-            error.append(exc)
-
-    thread = threading.Thread(target=init, name="voicertc-ray-init", daemon=True)
-    thread.start()
-    thread.join(ray_config.connect_timeout_s)
-    if thread.is_alive() or error:
-        if gcs_answer(ray_config.address) == TOKEN_REJECTED:  # the token may have changed meanwhile
-            raise EngineUnavailableError(token_rejected_message(ray_config))
-    if thread.is_alive():
-        raise EngineUnavailableError(
-            f"cannot reach the Ray cluster at {ray_config.address!r} within "
-            f"{ray_config.connect_timeout_s:g} s (ray.address, ray.connect_timeout_s)"
-        )
-    if error:
-        raise EngineUnavailableError(
-            f"cannot reach the Ray cluster at {ray_config.address!r} (ray.address): {error[0]}"
-        ) from error[0]
-    return True
-
-
-TOKEN_REJECTED = "token_rejected"
-
-
-def token_rejected_message(ray_config: RayConfig) -> str:
-    where = ray_config.auth_token_path or "RAY_AUTH_TOKEN / ~/.ray/auth_token"
-    return (
-        f"the Ray cluster at {ray_config.address!r} answered but token rejected: this front-end's token "
-        f"({where}; ray.auth_token_path) is not the cluster's; copy the head node's token file"
-    )
-
-
-def gcs_answer(address: str, timeout_s: float = 3.0) -> str:
-    """Ask the cluster's GCS for its id with this process's token: "ok", `TOKEN_REJECTED`,
-    "unreachable", or "unknown" (a `ray://` client address, or no single local cluster for "auto")."""
-    import grpc  # type: ignore[import-untyped]
-    from ray._private.grpc_utils import init_grpc_channel
-    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
-
-    address = _resolve_auto(address)
-    if address.startswith("ray://") or ":" not in address:
-        return "unknown"
-    channel = init_grpc_channel(address)
-    try:
-        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
-        stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s)  # type: ignore[attr-defined]
-        return "ok"
-    except grpc.RpcError as exc:
-        if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-            return TOKEN_REJECTED
-        return "unreachable"
-    except Exception:  # noqa: BLE001 - a probe only: the connect that follows reports the problem
-        logger.debug("GCS probe of %s failed", address, exc_info=True)
-        return "unknown"
-    finally:
-        channel.close()
+def _forget_session(engine: weakref.ref[RemoteEngine], session: str) -> None:
+    """A call's sink was collected: drop its pin in the driver (if the engine is still there)."""
+    if (alive := engine()) is not None:
+        alive.forget_session(session)
 
 
 def _failed(exc: BaseException) -> Future[Any]:

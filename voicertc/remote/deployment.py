@@ -25,20 +25,27 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from voicertc import __version__
+from voicertc.audio.decode import AudioError, Clip
 from voicertc.config import Config, config_from_dict
 from voicertc.engine.protocol import Cancelled, Done, Engine, EngineEvent, Failed, FirstAudio, SpeakOptions
-from voicertc.errors import VoiceRTCError
+from voicertc.errors import InputError, NotSupportedError, UnknownVoiceError, VoiceRTCError
 from voicertc.remote.loopback import bind_replica_servers_to_the_node_address
 from voicertc.remote.wire import DEPLOYMENT_NAME, PROTOCOL, ROUTER_CLASS, Message, pcm_message
+from voicertc.voice_ids import voice_path
 
 logger = logging.getLogger(__name__)
 
 CONTROL_ROOM = 16  # Serve requests a replica takes beyond its open utterances (text, credit, info)
+VOICE_FILES = (
+    ".safetensors",
+    ".json",
+)  # a stored voice (voicertc.backends.cosyvoice.voice.voices), json last
 REPORTS_KEPT = 1000  # finished utterances whose report a replica keeps (tests, debugging)
 
 
@@ -167,6 +174,53 @@ class EngineReplica:
     def _supports(self, feature: str) -> bool:
         return self.engine.supports(feature)
 
+    # --- voices: registered once, on every replica --------------------------------------------------
+
+    async def register_voice(
+        self,
+        *,
+        samples: bytes,
+        sample_rate_hz: int,
+        transcript: str | None,
+        voice_id: str | None,
+        name: str,
+        **_routing: Any,
+    ) -> dict[str, Any]:
+        """Compute a voice from a clip (float32 samples) here, store it in `[engine] voices_dir`;
+        answers {"info", "files", "replica"} (the stored files, for the other replicas) or {"error"}."""
+        clip = Clip(np.frombuffer(samples, dtype="<f4").copy(), int(sample_rate_hz))
+        if not self.config.engine.voices_dir:
+            return _error_answer(NotSupportedError(NO_VOICES_DIR))
+        try:
+            info = await asyncio.wrap_future(self.engine.register_voice(clip, transcript, voice_id, name))
+        except VoiceRTCError as exc:
+            return _error_answer(exc)
+        files = await asyncio.to_thread(_read_voice_files, self._voices_dir(), str(info["id"]))
+        return {"info": dict(info), "files": files, "replica": self.replica_id}
+
+    async def load_voice(self, *, voice_id: str, files: dict[str, bytes], **_routing: Any) -> dict[str, Any]:
+        """A voice another replica registered: its files into this replica's voices_dir (unless
+        they are there: a shared directory), then into the voice book; answers {"info"} or {"error"}."""
+        if not self.config.engine.voices_dir:
+            return _error_answer(NotSupportedError(NO_VOICES_DIR))
+        try:
+            await asyncio.to_thread(_write_voice_files, self._voices_dir(), voice_id, files)
+            info = await asyncio.wrap_future(self.engine.submit_command(lambda b: _load_stored(b, voice_id)))
+        except (VoiceRTCError, OSError) as exc:
+            return _error_answer(exc)
+        return {"info": info}
+
+    async def delete_voice(self, *, voice_id: str, **_routing: Any) -> dict[str, Any]:
+        """Drop the voice here (and its files); answers {} or {"error"} (unknown_voice, read-only)."""
+        try:
+            await asyncio.wrap_future(self.engine.delete_voice(voice_id))
+        except VoiceRTCError as exc:
+            return _error_answer(exc)
+        return {}
+
+    def _voices_dir(self) -> Path:
+        return Path(self.config.engine.voices_dir)
+
     async def stream(
         self,
         *,
@@ -281,6 +335,57 @@ class EngineReplica:
         self._reports[utterance_id] = {"sink": sink, "cancelled": cancelled}
         while len(self._reports) > REPORTS_KEPT:
             self._reports.popitem(last=False)
+
+
+NO_VOICES_DIR = (
+    "registering voices on the Ray backend needs [engine] voices_dir in the engine app's config "
+    "(shared by its replicas, or one per node: voicertc copies each voice there)"
+)
+
+
+def _error_answer(exc: BaseException) -> dict[str, Any]:
+    """A voice-book error as data (Ray would wrap the exception): the front-end raises its like."""
+    kind = (
+        "audio"
+        if isinstance(exc, AudioError)
+        else "unknown_voice"
+        if isinstance(exc, UnknownVoiceError)
+        else "not_supported"
+        if isinstance(exc, NotSupportedError)
+        else "input"
+        if isinstance(exc, InputError)
+        else "other"
+    )
+    code = getattr(exc, "code", "voice_error")
+    return {"error": {"kind": kind, "code": code, "message": str(exc), "status": getattr(exc, "status", 400)}}
+
+
+def _read_voice_files(directory: Path, voice_id: str) -> dict[str, bytes]:
+    return {suffix: voice_path(directory, voice_id, suffix).read_bytes() for suffix in VOICE_FILES}
+
+
+def _write_voice_files(directory: Path, voice_id: str, files: dict[str, bytes]) -> None:
+    """Each file atomically (the json last: a half-copied voice is never loaded at a start)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for suffix in VOICE_FILES:
+        path = voice_path(directory, voice_id, suffix)
+        data = files[suffix]
+        if path.is_file() and path.read_bytes() == data:
+            continue
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+
+
+def _load_stored(backend: Any, voice_id: str) -> dict[str, Any]:
+    """Engine thread: the stored voice into the backend's voice book (kept when already there)."""
+    book = getattr(backend, "book", None)
+    store = getattr(book, "store", None)
+    if book is None or store is None:
+        raise NotSupportedError(f"the {backend.name} engine does not register voices")
+    if voice_id not in book.ids():
+        book.add(store.load(backend.model, voice_id), persist=False)
+    return dict(book.get(voice_id).describe())
 
 
 class _ReplicaMetrics:

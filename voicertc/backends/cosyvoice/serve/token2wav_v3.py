@@ -9,6 +9,16 @@ emitted 480 x (mel frames so far - 8) samples, after `finish()` 480 x all frames
 The final chunk follows the schedule's `final_chunk` as for CosyVoice2: "chunk_mask" (default) keeps the
 chunk masks and costs the chunk only; "reference" re-runs the flow over every token with full attention
 and keeps the new frames, as upstream does (O(n) once, `Token2WavStream.flow_mel`).
+
+`flow_history` says how a non-final chunk's mel is computed: "cached" (default) advances the flow from
+its K/V caches; "rerun" re-runs the chunk-masked flow over every token so far and keeps the new frames,
+exactly upstream's streamed call (O(n) per chunk: a verification mode). Why it exists: upstream's CPU
+attention rounds a frame's output differently depending on how many masked keys follow it, so each
+re-run recomputes the history (and its K/V) with slightly other values (its own frames 0-57 move by
+1.4e-6 between its first and second call); the cached history cannot reproduce that, the mel stays
+within 2e-6, but the f0 predictor's gain and the phase integral turn it into PCM differences that grow
+along the utterance (~1e-3 after 20 s). Given the same mel, HiFT (excitation included) matches upstream
+within 3e-6 over 30 s (`tests/test_cv3_long_parity.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +26,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
+import torch
 from torch import Tensor
 
 from voicertc.backends.cosyvoice.flow.flow import CausalFlow, FlowStreamState
@@ -26,6 +38,9 @@ from voicertc.engine.schedule import ChunkSchedule
 
 logger = logging.getLogger(__name__)
 
+FlowHistory = Literal["cached", "rerun"]
+FLOW_HISTORY_MODES: tuple[FlowHistory, ...] = ("cached", "rerun")
+
 
 @dataclass
 class Token2WavStreamV3(Token2WavStream):
@@ -33,6 +48,30 @@ class Token2WavStreamV3(Token2WavStream):
 
     hift: CausalHiFTGenerator  # type: ignore[assignment]
     hift_state: HiftStreamState | None = field(default_factory=HiftStreamState)  # type: ignore[assignment]
+    flow_history: FlowHistory = "cached"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.flow_history not in FLOW_HISTORY_MODES:
+            raise ValueError(f"flow_history must be one of {', '.join(FLOW_HISTORY_MODES)}")
+        if self.flow_history == "rerun" and self.reference_prompt is None:
+            raise ValueError("flow_history 'rerun' needs the voice's flow prompt (reference_prompt)")
+
+    def flow_mel(self, plan: ChunkPlan) -> Tensor:
+        """The cached flow step, or with `flow_history = "rerun"` upstream's streamed call: the
+        chunk-masked flow over every token so far (+ lookahead), its new frames (a "reference" final
+        chunk: full attention over everything, as upstream)."""
+        if self.flow_history == "cached":
+            return super().flow_mel(plan)
+        assert self.reference_prompt is not None and self.flow_state is not None
+        upto = len(self.tokens) if plan.final else plan.end_tokens + self.schedule.lookahead_tokens
+        tokens = torch.tensor([self.tokens[:upto]], dtype=torch.long)
+        full_attention = plan.final and self.full_attention_final
+        mel = self.flow.infer(
+            tokens, *self.reference_prompt, streaming=not full_attention, finalize=plan.final
+        )
+        self.flow_state.finished = plan.final
+        return mel[:, :, 2 * self.emitted_tokens :]
 
     def complete(self, plan: ChunkPlan, mel: Tensor, flow_s: float = 0.0) -> Chunk:
         """Vocode the chunk's mel incrementally and advance the stream."""
@@ -63,7 +102,7 @@ def open_stream_v3(
 ) -> Token2WavStreamV3:
     """A fresh stream starting at the voice's cached prompt state (cloned, never shared); `prompt` (the
     voice's flow prompt tokens, mel, embedding) serves a "reference" final chunk."""
-    if schedule.final_chunk == "reference":
+    if schedule.final_chunk == "reference" or options.get("flow_history") == "rerun":
         options.setdefault("reference_prompt", prompt)
     return Token2WavStreamV3(
         flow=flow,
@@ -73,3 +112,14 @@ def open_stream_v3(
         prompt_tokens=int(prompt[0].shape[1]),
         **options,  # type: ignore[arg-type]
     )
+
+
+def whole_utterance_pcm_v3(
+    flow: CausalFlow, hift: CausalHiFTGenerator, prompt: tuple[Tensor, Tensor, Tensor], tokens: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Upstream's non-streaming token2wav: the full-attention flow over every token, HiFT over the
+    whole mel. `prompt` = the voice's flow prompt (tokens, mel, embedding); tokens [1, n]
+    -> (pcm [1, 960 n], mel [1, 80, 2 n])."""
+    mel = flow.infer(tokens, *prompt, streaming=False, finalize=True)
+    pcm, _ = hift.infer(mel.float(), finalize=True)
+    return pcm, mel

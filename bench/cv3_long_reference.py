@@ -52,7 +52,9 @@ def reference_noise(samples: int, seed: int = NOISE_SEED) -> tuple[torch.Tensor,
 
 
 def reference_tokens(count: int = TOKENS, seed: int = TOKEN_SEED) -> torch.Tensor:
-    return torch.randint(0, 6561, (1, count), generator=torch.Generator().manual_seed(seed), dtype=torch.int64)
+    return torch.randint(
+        0, 6561, (1, count), generator=torch.Generator().manual_seed(seed), dtype=torch.int64
+    )
 
 
 # ---- child: the official code --------------------------------------------------------------------------
@@ -62,16 +64,17 @@ def official_run(work: Path) -> None:
     """Runs in the peer environment: loads the tiny directory as CosyVoice3 does (flow + HiFT only)."""
     import uuid
 
-    from hyperpyyaml import load_hyperpyyaml
-
     from cosyvoice.cli.model import CosyVoice3Model
+    from hyperpyyaml import load_hyperpyyaml
 
     torch.set_num_threads(2)
     model_dir = work / "model_dir"
     text = (model_dir / "cosyvoice3.yaml").read_text()
     head, rest = text.split("\nllm: ", 1)
     flow_hift = "\nflow: " + rest.split("\nflow: ", 1)[1].split("\n# gan related module", 1)[0]
-    configs = load_hyperpyyaml(head + flow_hift, overrides={"qwen_pretrain_path": str(model_dir / "CosyVoice-BlankEN")})
+    configs = load_hyperpyyaml(
+        head + flow_hift, overrides={"qwen_pretrain_path": str(model_dir / "CosyVoice-BlankEN")}
+    )
     empty = work / "llm_empty.pt"
     torch.save({}, empty)
     model = CosyVoice3Model(torch.nn.Module(), configs["flow"], configs["hift"], fp16=False)
@@ -106,10 +109,14 @@ def official_run(work: Path) -> None:
             hop = model.token_hop_len + pad if offset == 0 else model.token_hop_len
             if len(tokens) - offset < hop + model.flow.pre_lookahead_len:
                 break
-            pcm.append(call(offset + hop + model.flow.pre_lookahead_len, offset, key, stream=True, finalize=False))
+            pcm.append(
+                call(offset + hop + model.flow.pre_lookahead_len, offset, key, stream=True, finalize=False)
+            )
             mel_new.append(vocoded[-1][:, :, sum(m.shape[2] for m in mel_new) :])
             offset += hop
-            model.token_hop_len = min(model.token_max_hop_len, model.token_hop_len * model.stream_scale_factor)
+            model.token_hop_len = min(
+                model.token_max_hop_len, model.token_hop_len * model.stream_scale_factor
+            )
         pcm.append(call(len(tokens), offset, key, finalize=True))
         mel_new.append(vocoded[-1][:, :, sum(m.shape[2] for m in mel_new) :])
         # non-streaming: one call
@@ -171,8 +178,15 @@ def build(peer: Path, site: str, out: Path) -> dict[str, torch.Tensor]:
         "stream_pcm_windows": torch.stack([stream_pcm[s : s + WINDOW] for s in starts]),
         "nonstream_pcm_windows": torch.stack([whole_pcm[s : s + WINDOW] for s in starts]),
     }
-    info = {"token_seed": TOKEN_SEED, "noise_seed": NOISE_SEED, "tokens": TOKENS, "window": WINDOW,
-            "official": "FunAudioLLM/CosyVoice ace7c47 (../shared/peer)", "torch": torch.__version__, "threads": 2}  # fmt: skip
+    info = {
+        "token_seed": TOKEN_SEED,
+        "noise_seed": NOISE_SEED,
+        "tokens": TOKENS,
+        "window": WINDOW,
+        "official": "FunAudioLLM/CosyVoice ace7c47 (../shared/peer)",
+        "torch": torch.__version__,
+        "threads": 2,
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file(record, str(out), metadata={"info": json.dumps(info)})
     return record

@@ -25,15 +25,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from voicertc.backends.cosyvoice.flow.flow import CausalFlow, FlowStreamState
+from voicertc.backends.cosyvoice.hift.batch import HostCopyAsync
 from voicertc.backends.cosyvoice.hift.causal import CausalHiFTGenerator, HiftStreamState
-from voicertc.backends.cosyvoice.serve.token2wav import Chunk, ChunkPlan, Token2WavStream
+from voicertc.backends.cosyvoice.hift.causal_batch import phase_key, step_batch
+from voicertc.backends.cosyvoice.serve.token2wav import Chunk, ChunkPlan, Token2WavStream, host_copy
 from voicertc.engine.schedule import ChunkSchedule
 
 logger = logging.getLogger(__name__)
@@ -81,8 +85,13 @@ class Token2WavStreamV3(Token2WavStream):
         started = time.perf_counter()
         source = self.source_fn(self.chunk_index) if self.source_fn is not None else None
         pcm, _ = self.hift.step(mel.float(), self.hift_state, final=plan.final, source=source)
-        chunk = Chunk(self.chunk_index, mel, self.pcm_to_host(pcm[0]), plan.final, flow_s=flow_s)
-        chunk.vocoder_s = time.perf_counter() - started
+        return self.advance(plan, mel, self.pcm_to_host(pcm[0]), flow_s, time.perf_counter() - started)
+
+    def advance(
+        self, plan: ChunkPlan, mel: Tensor, pcm: np.ndarray, flow_s: float, vocoder_s: float
+    ) -> Chunk:
+        """The chunk's bookkeeping once its PCM is vocoded (alone or in a batch)."""
+        chunk = Chunk(self.chunk_index, mel, pcm, plan.final, flow_s=flow_s, vocoder_s=vocoder_s)
         self.emitted_tokens = plan.end_tokens
         self.chunk_index += 1
         if plan.final:
@@ -90,6 +99,41 @@ class Token2WavStreamV3(Token2WavStream):
             self.release()
         logger.debug("v3 token2wav chunk %d: %d frames, final=%s", chunk.index, mel.shape[2], plan.final)
         return chunk
+
+    def phase(self, plan: ChunkPlan, mel: Tensor) -> Hashable:
+        """Streams whose next chunks have equal phases vocode as one batch (`vocode_batch_v3`)."""
+        if self.hift_state is None:
+            raise ValueError("this token2wav stream is released")
+        if self.source_fn is not None:
+            return ("alone", id(self))  # an injected excitation is vocoded alone
+        return phase_key(self.hift, self.hift_state, mel.shape[2], plan.final)
+
+
+def _sync_copy(pcm: Tensor) -> Callable[[], np.ndarray]:
+    host = host_copy(pcm)
+    return lambda: host
+
+
+def vocode_batch_v3(
+    streams: Sequence[Token2WavStreamV3],
+    plans: Sequence[ChunkPlan],
+    mels: Sequence[Tensor],
+    flow_s: Sequence[float],
+    to_host: HostCopyAsync = _sync_copy,
+) -> list[Chunk]:
+    """`Token2WavStreamV3.complete` for streams in one phase (`phase`), one HiFT forward for all; every
+    row's device->host copy is queued before the first wait. The states are untouched if it fails."""
+    if len({s.phase(p, m) for s, p, m in zip(streams, plans, mels, strict=True)}) != 1:
+        raise ValueError("vocode_batch_v3 needs streams in one HiFT phase (group them by phase())")
+    started = time.perf_counter()
+    states = [s.hift_state for s in streams]
+    pcm = step_batch(streams[0].hift, mels, states, final=plans[0].final)  # type: ignore[arg-type]
+    waits = [to_host(p) for p in pcm]
+    vocoder_s = (time.perf_counter() - started) / len(streams)
+    return [
+        stream.advance(plan, mel, wait(), seconds, vocoder_s)
+        for stream, plan, mel, wait, seconds in zip(streams, plans, mels, waits, flow_s, strict=True)
+    ]
 
 
 def open_stream_v3(

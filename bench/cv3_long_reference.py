@@ -16,8 +16,9 @@ each call yielded) and PCM windows of `WINDOW` samples (`*_pcm_windows` [W, WIND
 the end of the 30 s are compared bit-for-bit-level (1e-5) without storing the whole waveform.
 
 The official side runs as a child process with `PYTHONPATH=<site>:<peer>/stubs:<peer>/cosyvoice-ace7c47`
-(`--site`: the peer's extra packages, e.g. `/work/.peer-site` plus a directory with x-transformers 2.11.24
-and einx 0.4.3, which the official DiT imports); this file imports nothing of voicertc.
+(`--site`: the peer's extra packages, e.g. `/work/.peer-site` plus a directory with what the official DiT
+imports on top: `pip install --no-deps --target DIR x-transformers==2.11.24 einx==0.4.3 frozendict`);
+this file imports nothing of voicertc. ~80 s on 2 CPU threads.
 """
 
 from __future__ import annotations

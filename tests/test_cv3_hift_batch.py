@@ -131,7 +131,7 @@ def test_token2wav_streams_vocode_as_one_batch(cv3_model):
     while not streams[0].finished:
         plans = [s.plan() or s.plan(final=True) for s in streams]
         mels = [s.flow_mel(p) for s, p in zip(streams, plans, strict=True)]  # type: ignore[arg-type]
-        assert len({s.phase(p, m) for s, p, m in zip(streams, plans, mels, strict=True)}) == 1
+        assert len({s.hift_phase(p, m) for s, p, m in zip(streams, plans, mels, strict=True)}) == 1
         chunks = vocode_batch_v3(streams, plans, mels, [0.0, 0.0])  # type: ignore[arg-type]
         batches += 1
         for row, chunk in enumerate(chunks):

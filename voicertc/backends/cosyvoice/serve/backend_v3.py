@@ -156,7 +156,7 @@ class CosyVoice3Backend(CosyVoice2Backend):
                 st = self._state(job)
                 if st.flowed is None or st.t2w is None:
                     raise RuntimeError("vocoder unit planned without a flowed chunk")
-                key = st.t2w.phase(st.flowed.plan, st.flowed.mel)  # type: ignore[attr-defined]
+                key = st.t2w.hift_phase(st.flowed.plan, st.flowed.mel)  # type: ignore[attr-defined]
                 groups.setdefault(key, []).append(i)
             except Exception as exc:  # noqa: BLE001 - isolated per utterance
                 results[i] = exc

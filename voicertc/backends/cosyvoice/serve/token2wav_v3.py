@@ -100,7 +100,7 @@ class Token2WavStreamV3(Token2WavStream):
         logger.debug("v3 token2wav chunk %d: %d frames, final=%s", chunk.index, mel.shape[2], plan.final)
         return chunk
 
-    def phase(self, plan: ChunkPlan, mel: Tensor) -> Hashable:
+    def hift_phase(self, plan: ChunkPlan, mel: Tensor) -> Hashable:
         """Streams whose next chunks have equal phases vocode as one batch (`vocode_batch_v3`)."""
         if self.hift_state is None:
             raise ValueError("this token2wav stream is released")
@@ -121,10 +121,10 @@ def vocode_batch_v3(
     flow_s: Sequence[float],
     to_host: HostCopyAsync = _sync_copy,
 ) -> list[Chunk]:
-    """`Token2WavStreamV3.complete` for streams in one phase (`phase`), one HiFT forward for all; every
+    """`Token2WavStreamV3.complete` for streams in one phase (`hift_phase`), one HiFT forward for all; every
     row's device->host copy is queued before the first wait. The states are untouched if it fails."""
-    if len({s.phase(p, m) for s, p, m in zip(streams, plans, mels, strict=True)}) != 1:
-        raise ValueError("vocode_batch_v3 needs streams in one HiFT phase (group them by phase())")
+    if len({s.hift_phase(p, m) for s, p, m in zip(streams, plans, mels, strict=True)}) != 1:
+        raise ValueError("vocode_batch_v3 needs streams in one HiFT phase (group them by hift_phase())")
     started = time.perf_counter()
     states = [s.hift_state for s in streams]
     pcm = step_batch(streams[0].hift, mels, states, final=plans[0].final)  # type: ignore[arg-type]

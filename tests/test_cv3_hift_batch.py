@@ -8,13 +8,14 @@ the f0 predictor runs in float64, so the excitation phase does not amplify it.""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
-from tests.conftest import REPO
 from voicertc.backends.cosyvoice.hift.causal import HiftStreamState
 from voicertc.backends.cosyvoice.hift.causal_batch import phase_key, step_batch
 from voicertc.backends.cosyvoice.serve.streams import token2wav_stream
@@ -23,6 +24,7 @@ from voicertc.backends.cosyvoice.voice.voices import voice_from_features
 from voicertc.engine import ChunkSchedule
 
 PCM = {"atol": 1e-5, "rtol": 0.0}
+REFERENCE = Path(__file__).parent / "data" / "cv3_long_reference.safetensors"
 CHUNKS = [58, 100, 100, 40]  # new mel frames per chunk (the official v3 plan's first two); the last is final
 
 
@@ -39,7 +41,7 @@ def hift(cv3_model):
 @pytest.fixture(scope="module")
 def long_mel():
     """30 s of the official code's mel (the long parity vector): realistic f0, voiced and unvoiced."""
-    return load_file(REPO / "tests" / "data" / "cv3_long_reference.safetensors")["stream_mel"]
+    return load_file(REFERENCE)["stream_mel"]
 
 
 def _mel(long_mel: torch.Tensor, seed: int, frames: int) -> torch.Tensor:

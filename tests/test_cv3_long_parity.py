@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -19,7 +21,6 @@ from safetensors.torch import load_file
 from torch.testing import assert_close
 
 from bench.cv3_long_reference import TOKENS, WINDOW, reference_noise
-from tests.conftest import REPO
 from voicertc.backends.cosyvoice.hift.causal import HiftStreamState
 from voicertc.backends.cosyvoice.serve.streams import token2wav_stream
 from voicertc.backends.cosyvoice.serve.token2wav_v3 import whole_utterance_pcm_v3
@@ -27,6 +28,7 @@ from voicertc.backends.cosyvoice.voice.voices import voice_from_features
 from voicertc.engine import ChunkSchedule
 
 PCM = {"atol": 1e-5, "rtol": 0.0}
+REFERENCE = Path(__file__).parent / "data" / "cv3_long_reference.safetensors"
 SPF = 480  # samples per mel frame
 HELD_BACK = 8  # frames a non-final HiFT call holds back
 
@@ -38,7 +40,7 @@ def _threads():
 
 @pytest.fixture(scope="module")
 def ref():
-    return load_file(REPO / "tests" / "data" / "cv3_long_reference.safetensors")
+    return load_file(REFERENCE)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,9 @@ are built from golden `cv3/model_dir/cosyvoice3.yaml` with the official values p
 * re-run (upstream v3): `flow.infer` over prompt + every token so far (chunk masks) and
   `hift.infer` over the whole accumulated mel, as `CosyVoice3Model.token2wav` does per chunk.
 
-Reported per selected chunk (0-based index) and way: flow ms, HiFT ms, p50/p95 over `--runs` runs; and
+The last chunk is the final one (the remaining tokens, `finalize=True`; upstream's last call runs the flow
+with full attention): at 30 s on the 75-token prompt that is chunk 8 (75 tokens). Reported per selected
+chunk (0-based index) and way: flow ms, HiFT ms, p50/p95 over `--runs` runs; and
 time to first audio of the token2wav part (flow + HiFT of chunk 0, LLM excluded). The re-run is timed
 only at the selected chunks (its cost does not depend on earlier calls). Writes
 bench/results/cv3_stream_<device>.json.
@@ -87,17 +89,18 @@ def one_run(flow, hift, tokens, prompt, chunks: set[int], device: str, out: dict
     hstate = HiftStreamState()
     history: list[torch.Tensor] = []
     ends: dict[int, int] = {}
-    start, index = 0, 0
-    while True:
+    start, index, final = 0, 0, False
+    while not final and index <= max(chunks):
         end = schedule.chunk_end_tokens(index, PROMPT_TOKENS)
-        if end + LOOKAHEAD > tokens.shape[1] or index > max(chunks):
-            break
+        final = end + LOOKAHEAD > tokens.shape[1]  # the rest of the tokens: the final chunk
+        end = tokens.shape[1] if final else end
         _sync(device)
         t0 = time.perf_counter()
-        mel = flow.stream_step(tokens[:, start : end + LOOKAHEAD], state, finalize=False)
+        new = tokens[:, start : end if final else end + LOOKAHEAD]
+        mel = flow.stream_step(new, state, finalize=final)
         _sync(device)
         t1 = time.perf_counter()
-        hift.step(mel, hstate, final=False)
+        hift.step(mel, hstate, final=final)
         _sync(device)
         t2 = time.perf_counter()
         out["inc_flow"].setdefault(index, []).append(1e3 * (t1 - t0))
@@ -105,8 +108,9 @@ def one_run(flow, hift, tokens, prompt, chunks: set[int], device: str, out: dict
         history.append(mel)
         ends[index] = end
         logger.info(
-            "chunk %d: %d frames, flow %.0f ms, HiFT %.0f ms",
+            "chunk %d%s: %d frames, flow %.0f ms, HiFT %.0f ms",
             index,
+            " (final)" if final else "",
             mel.shape[2],
             1e3 * (t1 - t0),
             1e3 * (t2 - t1),
@@ -116,11 +120,13 @@ def one_run(flow, hift, tokens, prompt, chunks: set[int], device: str, out: dict
     save()
     for chunk in sorted(c for c in chunks if c in ends):
         mel_so_far = torch.cat(history[: chunk + 1], dim=2)
+        last = final and chunk == index - 1  # upstream's last call: full attention, finalize
+        upto = ends[chunk] if last else ends[chunk] + LOOKAHEAD
         t0 = time.perf_counter()
-        flow.infer(tokens[:, : ends[chunk] + LOOKAHEAD], *prompt, streaming=True, finalize=False)
+        flow.infer(tokens[:, :upto], *prompt, streaming=not last, finalize=last)
         _sync(device)
         t1 = time.perf_counter()
-        hift.infer(mel_so_far, finalize=False)
+        hift.infer(mel_so_far, finalize=last)
         _sync(device)
         t2 = time.perf_counter()
         out["rerun_flow"].setdefault(chunk, []).append(1e3 * (t1 - t0))

@@ -35,10 +35,6 @@ def runner(flow, onnx_dir):
     return OnnxRuntimeEstimator(onnx_dir / ESTIMATOR_FILE, GraphLayout.of(flow.decoder.estimator), threads=2)
 
 
-
-
-
-
 def test_onnx_estimator_reproduces_a_streamed_utterance(flow, runner, tts_golden):
     hops = [25, 50, 100, 100]
     flow.decoder.estimator_runner = None
@@ -50,8 +46,6 @@ def test_onnx_estimator_reproduces_a_streamed_utterance(flow, runner, tts_golden
         flow.decoder.estimator_runner = None
     assert got.shape == eager.shape and eager.shape[2] > 300
     assert (got - eager).abs().max().item() <= TOL
-
-
 
 
 def test_onnx_estimator_batches_utterances_at_different_positions(flow, runner, tts_golden):

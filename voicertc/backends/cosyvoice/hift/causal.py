@@ -287,13 +287,27 @@ class CausalHiFTGenerator(nn.Module):
         After the call the stream has emitted 480 * (frames - 8) samples (all of them after `final`).
         `source` injects the excitation of the whole stream so far (e.g. the reference re-run's, which
         covers the history too); only its samples not used yet are taken."""
+        return self.step_rows(mel, state, [state.source], final=final, source=source)
+
+    @torch.inference_mode()
+    def step_rows(
+        self,
+        mel: Tensor,
+        state: HiftStreamState,
+        sources: list[SourceState],
+        *,
+        final: bool,
+        source: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """`step` on B rows [B, 80, n] that share one (batched) state, each row with its own excitation
+        state `sources[b]` (`hift.causal_batch` builds and splits such states)."""
         if state.finished:
             raise ValueError("this HiFT stream is already finalized")
         state.final = final
         state.mel_frames += mel.shape[2]
         state.work_frames = mel.shape[2]
         mel = mel.float()
-        excitation = self._excitation(mel, state, source)
+        excitation = self._excitation(mel, state, source, sources)
         x = self._generate(mel, self._stft(excitation, state), state)
         pcm = self._istft(x, state)
         if state.pcm is not None:
@@ -308,14 +322,16 @@ class CausalHiFTGenerator(nn.Module):
             state.tails, state.pending, state.pcm = {}, {}, None
         return out.clamp(-self.config.audio_limit, self.config.audio_limit), excitation
 
-    def _excitation(self, mel: Tensor, state: HiftStreamState, source: Tensor | None) -> Tensor:
+    def _excitation(
+        self, mel: Tensor, state: HiftStreamState, source: Tensor | None, sources: list[SourceState]
+    ) -> Tensor:
         spf = self.config.samples_per_frame
         frames = state.mel_frames if state.final else max(state.mel_frames - F0_LOOKAHEAD, 0)
         if source is not None:
             new = source.reshape(1, 1, -1)[:, :, state.source_samples : frames * spf].float()
         else:
             f0 = self.f0_predictor(mel.double(), state).float()
-            new = self.m_source(f0, state.source)
+            new = self.m_source(f0, sources)
         state.source_samples += new.shape[2]
         return new
 
@@ -328,7 +344,7 @@ class CausalHiFTGenerator(nn.Module):
                 x = torch.cat([state.stft_head, x], dim=1)
             if x.shape[1] <= n_fft // 2:
                 state.stft_head = x
-                return x.new_zeros(1, n_fft + 2, 0)
+                return x.new_zeros(x.shape[0], n_fft + 2, 0)
             x = F.pad(x[:, None], (n_fft // 2, 0), mode="reflect")[:, 0]
         else:
             x = torch.cat([state.stft_tail, x], dim=1)
@@ -337,7 +353,7 @@ class CausalHiFTGenerator(nn.Module):
         count = (x.shape[1] - n_fft) // hop + 1 if x.shape[1] >= n_fft else 0
         state.stft_tail = x[:, count * hop :]
         if count == 0:
-            return x.new_zeros(1, n_fft + 2, 0)
+            return x.new_zeros(x.shape[0], n_fft + 2, 0)
         spec = torch.stft(
             x[:, : (count - 1) * hop + n_fft], n_fft, hop, n_fft,
             window=self.stft_window, center=False, return_complex=True,
@@ -378,16 +394,16 @@ class CausalHiFTGenerator(nn.Module):
         magnitude = torch.exp(x[:, :bins]).clamp(max=1e2)
         phase = torch.sin(x[:, bins:])
         spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        m = spec.shape[2]
+        rows, m = spec.shape[0], spec.shape[2]
         if m:
-            frames = torch.fft.irfft(spec, n=n_fft, dim=1) * self.stft_window[None, :, None]  # [1, n_fft, m]
+            frames = torch.fft.irfft(spec, n=n_fft, dim=1) * self.stft_window[None, :, None]  # [B, n_fft, m]
         else:
-            frames = x.new_zeros(1, n_fft, 0)
+            frames = x.new_zeros(rows, n_fft, 0)
         first = state.istft_frames * hop  # position of the first new frame's first sample
         end = (state.istft_frames + m - 1) * hop + n_fft if m else first + n_fft - hop
         start = state.ola_start
-        ola = x.new_zeros(1, max(end - start, 0))
-        env = x.new_zeros(1, max(end - start, 0))
+        ola = x.new_zeros(rows, max(end - start, 0))
+        env = x.new_zeros(1, max(end - start, 0))  # the window envelope: one for every row
         if state.ola is not None:
             ola[:, : state.ola.shape[1]] = state.ola
             assert state.env is not None
@@ -395,7 +411,7 @@ class CausalHiFTGenerator(nn.Module):
         square = self.stft_window.pow(2)
         for r in range(n_fft // hop):
             at = first + r * hop - start
-            piece = frames[:, r * hop : (r + 1) * hop].transpose(1, 2).reshape(1, m * hop)
+            piece = frames[:, r * hop : (r + 1) * hop].transpose(1, 2).reshape(rows, m * hop)
             ola[:, at : at + m * hop] += piece
             env[:, at : at + m * hop] += square[r * hop : (r + 1) * hop].repeat(m)
         state.istft_frames += m

@@ -7,7 +7,8 @@ position; the integrated phase is upsampled with *nearest* (not linear) interpol
 
 Everything is frame-causal, so a stream computes the excitation chunk by chunk: the running phase sum
 is carried (appended in the order `cumsum` adds, so the values are the whole-call ones bit for bit)
-and the noise is read at the chunk's absolute positions.
+and the noise is read at the chunk's absolute positions. Several streams (rows) run as one batch, each
+with its own `SourceState` (phase sum, position in the noise).
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ class SourceState:
     frames: int = 0
     phase_sum: Tensor | None = None  # [1, 1, H] float64 running sum
 
+    def copy(self) -> SourceState:
+        return SourceState(self.frames, self.phase_sum)  # the sum is replaced, never written in place
+
 
 class CausalSourceModule(nn.Module):
     """Merges the harmonic sines into one excitation channel (`m_source` in the checkpoint)."""
@@ -92,26 +96,30 @@ class CausalSourceModule(nn.Module):
         self.l_linear = nn.Linear(params.harmonics, 1)
         self.buffers_ = NoiseBuffers(params.harmonics)
 
-    def forward(self, f0: Tensor, state: SourceState) -> Tensor:
-        # f0: [1, n] Hz (float32) for frames state.frames.. -> source [1, 1, n * 480]
+    def forward(self, f0: Tensor, states: list[SourceState]) -> Tensor:
+        # f0: [B, n] Hz (float32), row b for frames states[b].frames.. -> source [B, 1, n * 480]
         p = self.params
         scale = p.upsample_scale
+        rows = f0.shape[0]
+        if len(states) != rows:
+            raise ValueError(f"{rows} f0 rows but {len(states)} source states")
         if f0.shape[1] == 0:
-            return f0.new_zeros(1, 1, 0)
-        start = state.frames * scale
-        f0_up = f0.repeat_interleave(scale, dim=1).unsqueeze(-1)  # [1, L, 1]
+            return f0.new_zeros(rows, 1, 0)
+        f0_up = f0.repeat_interleave(scale, dim=1).unsqueeze(-1)  # [B, L, 1]
         orders = torch.arange(1, p.harmonics + 1, dtype=torch.float32, device=f0.device)
         rad = (f0_up * orders[None, None, :] / p.sample_rate_hz) % 1
-        if state.frames == 0 and rad.shape[1]:
-            rad[:, 0, :] = rad[:, 0, :] + self.buffers_.rand_ini.to(rad)
+        for row, state in enumerate(states):
+            if state.frames == 0:  # the initial phase enters each stream's first sample only
+                rad[row, 0, :] = rad[row, 0, :] + self.buffers_.rand_ini[0].to(rad)
         rad_frames = F.interpolate(rad.transpose(1, 2), scale_factor=1 / scale, mode="linear").transpose(1, 2)
         # torch's CPU cumsum accumulates float32 in float64: carry that accumulator, prepended so the
         # additions happen in the whole-call order
         wide = rad_frames.to(torch.float64)
-        carry = state.phase_sum if state.phase_sum is not None else wide.new_zeros(1, 1, p.harmonics)
+        zero = wide.new_zeros(1, 1, p.harmonics)
+        carry = torch.cat([s.phase_sum if s.phase_sum is not None else zero for s in states], dim=0)
         sums = torch.cumsum(torch.cat([carry, wide], dim=1), dim=1)[:, 1:]
-        if sums.shape[1]:
-            state.phase_sum = sums[:, -1:]
+        for row, state in enumerate(states):
+            state.phase_sum = sums[row : row + 1, -1:]
         phase = sums.to(rad_frames.dtype) * 2 * np.pi
         phase = F.interpolate(phase.transpose(1, 2) * scale, scale_factor=scale, mode="nearest").transpose(
             1, 2
@@ -119,6 +127,9 @@ class CausalSourceModule(nn.Module):
         sines = torch.sin(phase) * p.sine_amp
         uv = (f0_up > p.voiced_threshold_hz).to(torch.float32)
         noise_amp = uv * p.noise_std + (1 - uv) * p.sine_amp / 3
-        noise = noise_amp * self.buffers_.noise(start, start + f0_up.shape[1]).to(f0_up.device)
-        state.frames += f0.shape[1]
+        length = f0_up.shape[1]
+        buffers = [self.buffers_.noise(s.frames * scale, s.frames * scale + length) for s in states]
+        noise = noise_amp * torch.cat(buffers, dim=0).to(f0_up.device)
+        for state in states:
+            state.frames += f0.shape[1]
         return torch.tanh(self.l_linear(sines * uv + noise)).transpose(1, 2)

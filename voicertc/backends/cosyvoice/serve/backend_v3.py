@@ -8,14 +8,15 @@ KV cache, the batched flow estimator, the per-utterance state and its pure `plan
   before it (as upstream's examples do);
 * text arriving as deltas: one bistream session with v3's ids and prompt layout (`llm.bistream`: the
   prompt text up to `<|endofprompt|>` is fed whole after sos, the rest mixed 5 text : 15 speech);
-* vocoding: each utterance's HiFT runs alone (its state is a set of per-conv tails, not batched yet).
+* vocoding: the incremental causal HiFT; rows whose streams are in one phase (same chunk length, same
+  carried shapes: `hift.causal_batch.phase_key`) run as one forward, the others alone.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ from voicertc.backends.cosyvoice.serve.device_lane import resolve_device
 from voicertc.backends.cosyvoice.serve.modes import LlmPrompt, llm_prompt
 from voicertc.backends.cosyvoice.serve.state import Cv2State
 from voicertc.backends.cosyvoice.serve.streams import token2wav_stream
+from voicertc.backends.cosyvoice.serve.token2wav_v3 import vocode_batch_v3
 from voicertc.backends.cosyvoice.voice.text_v3 import DEFAULT_SYSTEM_PROMPT, ENDOFPROMPT
 from voicertc.backends.cosyvoice.voice.voices import Voice, voice_from_features
 from voicertc.config import Config
@@ -104,24 +106,52 @@ class CosyVoice3Backend(CosyVoice2Backend):
         return v3_prompt(voice, instruct, self.model.text_frontend.encode)
 
     def _run_vocode(self, batch: Sequence[Cv2Job]) -> list[StepResult]:
-        """Each row's incremental HiFT alone (`Token2WavStreamV3.complete`)."""
-        results: list[StepResult] = []
-        for job in batch:
+        """The rows' incremental HiFT: rows in one stream phase as one forward (`vocode_batch_v3`),
+        the others alone; a failed batch is retried row by row (its states are untouched)."""
+        results: dict[int, StepResult] = {}
+        groups: dict[Hashable, list[int]] = {}
+        for i, job in enumerate(batch):
             try:
                 st = self._state(job)
-                flowed, t2w = st.flowed, st.t2w
-                if flowed is None or t2w is None:
+                if st.flowed is None or st.t2w is None:
                     raise RuntimeError("vocoder unit planned without a flowed chunk")
-                chunk = t2w.complete(flowed.plan, flowed.mel, flowed.flow_s)
-                st.flowed = None
-                self._account(job.utt, chunk)
-                results.append(
-                    SynthStep(pcm=[chunk.pcm] if chunk.pcm.size else [], sample_rate_hz=SAMPLE_RATE_HZ)
-                )
+                key = st.t2w.hift_phase(st.flowed.plan, st.flowed.mel)  # type: ignore[attr-defined]
+                groups.setdefault(key, []).append(i)
             except Exception as exc:  # noqa: BLE001 - isolated per utterance
-                results.append(exc)
-        self.stats["vocode_batches"] += 1
-        return results
+                results[i] = exc
+        for rows in groups.values():
+            if len(rows) > 1:
+                try:
+                    self._vocode_rows([batch[i] for i in rows], results, rows)
+                    continue
+                except Exception:  # noqa: BLE001 - retried alone below
+                    logger.warning("batched v3 vocoder step failed; retrying its %d rows alone", len(rows))
+            for i in rows:
+                try:
+                    self._vocode_rows([batch[i]], results, [i])
+                except Exception as exc:  # noqa: BLE001 - isolated per utterance
+                    results[i] = exc
+        self.stats["vocode_batches"] += len(groups)
+        return [results[i] for i in range(len(batch))]
+
+    def _vocode_rows(self, jobs: Sequence[Cv2Job], results: dict[int, StepResult], rows: list[int]) -> None:
+        states = [self._state(job) for job in jobs]
+        flowed = [st.flowed for st in states]
+        t2ws = [st.t2w for st in states]
+        if len(jobs) == 1:
+            chunks = [t2ws[0].complete(flowed[0].plan, flowed[0].mel, flowed[0].flow_s)]  # type: ignore[union-attr]
+        else:
+            chunks = vocode_batch_v3(
+                t2ws,  # type: ignore[arg-type]
+                [f.plan for f in flowed],  # type: ignore[union-attr]
+                [f.mel for f in flowed],  # type: ignore[union-attr]
+                [f.flow_s for f in flowed],  # type: ignore[union-attr]
+                to_host=self.lane.to_host_async,
+            )
+        for i, job, st, chunk in zip(rows, jobs, states, chunks, strict=True):
+            st.flowed = None
+            self._account(job.utt, chunk)
+            results[i] = SynthStep(pcm=[chunk.pcm] if chunk.pcm.size else [], sample_rate_hz=SAMPLE_RATE_HZ)
 
 
 def create_backend(config: Config) -> CosyVoice3Backend:

@@ -26,6 +26,7 @@ from signaling.edges import CLIENT_CLOSED, body_guard
 from signaling.errors import ApiError, error_response
 from signaling.metrics import Metrics
 from signaling.openapi import openapi_spec
+from signaling.openapi_facts import EngineFacts
 from signaling.registry import CallRegistry
 from signaling.routes import REGISTRY, routes
 from signaling.speech_api import speech_routes
@@ -40,6 +41,7 @@ from voicertc.errors import ConfigError, EngineStoppedError, EngineUnavailableEr
 from voicertc.listen.models import load_listen_models
 from voicertc.webrtc.loopback import patch_aioice_loopback
 from voicertc.webrtc.ports import patch_aioice_port_range
+from voicertc.webrtc.speech import engine_features
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +236,10 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def _openapi(request: web.Request) -> web.Response:
-    return web.json_response(openapi_spec(request.app[CONFIG]))
+    """Generated per request: the voices this caller may use and the options the engine honours."""
+    voices = request.app[REGISTRY].voices_for(principal(request))
+    facts = EngineFacts(voices=tuple(voices) or None, features=tuple(engine_features(request.app[ENGINE])))
+    return web.json_response(openapi_spec(request.app[CONFIG], facts))
 
 
 def _index(path: Path) -> Handler:

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from signaling.openapi_facts import (
+    EngineFacts,
+    instruct_schema,
+    query_voice_schema,
+    speed_schema,
+    voice_schema,
+)
 from signaling.openapi_net import net_schemas, with_net
 from signaling.openapi_speech import speech_paths, speech_schemas
 from signaling.openapi_voices import voice_paths, voice_schemas
@@ -25,15 +32,42 @@ CALL_ID = {"name": "call_id", "in": "path", "required": True, "schema": {"type":
 UNKNOWN = _error("No such call (hung up, timed out, never existed, or another token's call).")
 # Speakable text: no control characters but tab/newline/CR, no lone surrogates or BMP noncharacters,
 # and something besides whitespace (voicertc.validate.check_text; blank text is `bad_input`).
-TEXT_PATTERN = f"^[^\\S{UNSPEAKABLE_RANGES}]*[^\\s{UNSPEAKABLE_RANGES}][^{UNSPEAKABLE_RANGES}]*$"
-VOICE = {
-    "type": ["string", "null"],
+# Lone surrogates are left out of the pattern: a surrogate range is not a portable regex (validators on
+# Rust's or ECMA's engine refuse the whole pattern, and then check nothing); the description names them.
+_SCHEMA_UNSPEAKABLE = UNSPEAKABLE_RANGES.replace(r"\ud800-\udfff", "")
+TEXT_PATTERN = f"^[^\\S{_SCHEMA_UNSPEAKABLE}]*[^\\s{_SCHEMA_UNSPEAKABLE}][^{_SCHEMA_UNSPEAKABLE}]*$"
+# An SDP offer (RFC 8866) starts with its version line; what makes it usable (an audio m-line, a DTLS
+# fingerprint) JSON Schema cannot say, so the format names it (`sdp-offer`) and the 400 lists the causes.
+SDP_OFFER = {
+    "type": "string",
+    "format": "sdp-offer",
     "minLength": 1,
-    "description": "A voice id (GET /v1/voices); null = default.",
+    "description": "An SDP offer (RFC 8866): `v=0` first, an audio m-line, a DTLS fingerprint.",
 }
+# An RFC 8840 fragment: `a=` lines (candidates with their `a=mid`, or `a=end-of-candidates`).
+SDP_FRAGMENT = {"type": "string", "format": "sdp-fragment", "minLength": 1}
+# One event of a text/event-stream: `event:` (absent: message) and its `data:` (JSON).
+SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"event": {"type": "string"}, "data": {"type": "string", "contentMediaType": JSON}},
+}
+# A WebSocket route answers a plain GET with 426: the upgrade headers are required parameters.
+WS_UPGRADE = [
+    {"name": "Upgrade", "in": "header", "required": True, "schema": {"enum": ["websocket"]}},
+    {"name": "Connection", "in": "header", "required": True, "schema": {"enum": ["Upgrade"]}},
+    {"name": "Sec-WebSocket-Version", "in": "header", "required": True, "schema": {"enum": ["13"]}},
+    {
+        "name": "Sec-WebSocket-Key",
+        "in": "header",
+        "required": True,
+        "schema": {"type": "string", "pattern": "^[A-Za-z0-9+/]{21}[AQgw]==$"},
+        "description": "16 random bytes, base64 (RFC 6455).",
+    },
+]
 
 
-def _paths(config: Config) -> dict[str, Any]:
+def _paths(config: Config, facts: EngineFacts) -> dict[str, Any]:
     limit = config.limits.max_text_chars
     limits = config.limits
     engine_stopped = _error(
@@ -50,7 +84,7 @@ def _paths(config: Config) -> dict[str, Any]:
                 "requestBody": {
                     "required": True,
                     "content": {
-                        "application/sdp": {"schema": {"type": "string", "minLength": 1}},
+                        "application/sdp": {"schema": SDP_OFFER},
                         JSON: {"schema": {"$ref": "#/components/schemas/Offer"}},
                     },
                 },
@@ -107,9 +141,7 @@ def _paths(config: Config) -> dict[str, Any]:
                 "and answers 422.",
                 "requestBody": {
                     "required": True,
-                    "content": {
-                        "application/trickle-ice-sdpfrag": {"schema": {"type": "string", "minLength": 1}}
-                    },
+                    "content": {"application/trickle-ice-sdpfrag": {"schema": SDP_FRAGMENT}},
                 },
                 "responses": {
                     "204": {"description": "Candidates added."},
@@ -142,7 +174,7 @@ def _paths(config: Config) -> dict[str, Any]:
                     "required": True,
                     "content": {
                         JSON: {"schema": {"$ref": "#/components/schemas/Speak"}},
-                        "application/x-ndjson": {"schema": {"type": "string"}},
+                        "application/x-ndjson": {"schema": {"type": "string", "format": "speak-ndjson"}},
                     },
                 },
                 "parameters": [
@@ -150,7 +182,7 @@ def _paths(config: Config) -> dict[str, Any]:
                         "name": "voice",
                         "in": "query",
                         "description": "NDJSON: the voice (JSON: the body's `voice` wins).",
-                        "schema": {"type": "string", "minLength": 1},
+                        "schema": query_voice_schema(facts),
                     },
                     {
                         "name": "interrupt",
@@ -207,7 +239,7 @@ def _paths(config: Config) -> dict[str, Any]:
                 "responses": {
                     "200": {
                         "description": "text/event-stream of `event: <type>` / `data: <json>`.",
-                        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                        "content": {"text/event-stream": {"schema": SSE_EVENT}},
                     },
                     "404": UNKNOWN,
                 },
@@ -216,6 +248,7 @@ def _paths(config: Config) -> dict[str, Any]:
         "/v1/calls/{call_id}/audio": {
             "parameters": [CALL_ID],
             "get": {
+                "parameters": WS_UPGRADE,
                 "summary": "WebSocket: the caller's microphone as 16 kHz mono PCM16 (little-endian) binary "
                 "frames of 20 ms, for an agent in another process.",
                 "description": "Send a WebSocket upgrade. The first message is text JSON `{type: "
@@ -258,7 +291,7 @@ def _paths(config: Config) -> dict[str, Any]:
     }
 
 
-def _schemas(config: Config) -> dict[str, Any]:
+def _schemas(config: Config, facts: EngineFacts) -> dict[str, Any]:
     string = {"type": "string"}
     return {
         "Error": {
@@ -307,9 +340,9 @@ def _schemas(config: Config) -> dict[str, Any]:
             "type": "object",
             "required": ["sdp", "type"],
             "properties": {
-                "sdp": {"type": "string", "minLength": 1},
+                "sdp": SDP_OFFER,
                 "type": {"const": "offer"},
-                "voice": VOICE,
+                "voice": voice_schema(facts),
             },
         },
         "Health": {
@@ -347,19 +380,17 @@ def _schemas(config: Config) -> dict[str, Any]:
                     "description": "Speakable text: not blank; no control characters but tab, newline and "
                     "carriage return; no lone surrogates or noncharacters (else `bad_text`).",
                 },
-                "voice": VOICE,
+                "voice": voice_schema(facts),
                 "interrupt": {"type": "boolean"},
                 "instruct": {
-                    "type": "string",
+                    **instruct_schema(facts),
                     "description": "CosyVoice2 instruct2: an instruction for the voice ('Speak happily.', "
                     "'用四川话说这句话'); `<|endofprompt|>` is appended when absent. The LLM then gets the "
                     "instruction instead of the voice's transcript and no prompt speech; the flow keeps the "
                     "voice. Other engines: 400 `not_supported`. NDJSON: `?instruct=`.",
                 },
                 "speed": {
-                    "type": "number",
-                    "minimum": 0.5,
-                    "maximum": 2.0,
+                    **speed_schema(facts),
                     "description": "Speaking rate (CosyVoice2), 0.5..2, default 1. NON-STREAMING ONLY, as "
                     "in the reference (cosyvoice.md §6.2): with speed != 1 each text segment is synthesized "
                     "whole (full-attention flow), its mel interpolated to len/speed frames, then vocoded, so "
@@ -418,7 +449,10 @@ def _secured(paths: dict[str, Any], config: Config) -> dict[str, Any]:
     return paths
 
 
-def openapi_spec(config: Config) -> dict[str, Any]:
+def openapi_spec(config: Config, facts: EngineFacts | None = None) -> dict[str, Any]:
+    """The document for this server; `facts` (the engine's voices and options) make it exact for the
+    caller, the default describes any engine."""
+    facts = facts or EngineFacts()
     bearer = {"bearer": {"type": "http", "scheme": "bearer"}}
     return {
         "openapi": "3.1.0",
@@ -431,7 +465,8 @@ def openapi_spec(config: Config) -> dict[str, Any]:
         "paths": _with_body_timeout(
             _secured(
                 with_net(
-                    {**_paths(config), **voice_paths(config), **speech_paths(config, TEXT_PATTERN)}, config
+                    {**_paths(config, facts), **voice_paths(config), **speech_paths(config, WS_UPGRADE)},
+                    config,
                 ),
                 config,
             ),
@@ -439,10 +474,10 @@ def openapi_spec(config: Config) -> dict[str, Any]:
         ),
         "components": {
             "schemas": {
-                **_schemas(config),
+                **_schemas(config, facts),
                 **voice_schemas(),
                 **net_schemas(),
-                **speech_schemas(config, TEXT_PATTERN),
+                **speech_schemas(config, TEXT_PATTERN, facts),
             },
             "securitySchemes": bearer,
         },

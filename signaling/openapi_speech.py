@@ -5,11 +5,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from signaling.openapi_facts import EngineFacts, instruct_schema, speed_schema
+from signaling.speech_api import OPENAI_VOICES
 from voicertc.audio.encode import FORMATS
 from voicertc.config import Config
 
 JSON = "application/json"
 ERROR = {"$ref": "#/components/schemas/SpeechError"}
+# One event of a text/event-stream: its `data:` (JSON) and `event:` (absent: message).
+SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"event": {"type": "string"}, "data": {"type": "string", "contentMediaType": JSON}},
+}
 AUDIO_TYPES = (
     "audio/pcm",
     "audio/wav",
@@ -28,7 +36,7 @@ def _error(description: str, retry: bool = False) -> dict[str, Any]:
     return response
 
 
-def speech_paths(config: Config, text_pattern: str) -> dict[str, Any]:
+def speech_paths(config: Config, ws_upgrade: list[dict[str, Any]]) -> dict[str, Any]:
     limits = config.limits
     binary = {"type": "string", "format": "binary"}
     return {
@@ -49,7 +57,10 @@ def speech_paths(config: Config, text_pattern: str) -> dict[str, Any]:
                 "responses": {
                     "200": {
                         "description": "The audio (Content-Type per `response_format`), or SSE.",
-                        "content": {kind: {"schema": binary} for kind in AUDIO_TYPES},
+                        "content": {
+                            kind: {"schema": binary} for kind in AUDIO_TYPES if kind != "text/event-stream"
+                        }
+                        | {"text/event-stream": {"schema": SSE_EVENT}},
                     },
                     "400": _error(
                         "Blank `input` (`bad_input`), unspeakable text (`bad_text`), bad JSON (`bad_json`), "
@@ -72,6 +83,7 @@ def speech_paths(config: Config, text_pattern: str) -> dict[str, Any]:
         },
         "/v1/tts/stream": {
             "get": {
+                "parameters": ws_upgrade,
                 "summary": "WebSocket: a TTS session that takes text deltas and returns audio as it is made.",
                 "description": "Client -> server JSON: `{type: session.update, voice?, format?: pcm_s16le, "
                 "sample_rate?: 8000..48000 (24000), instruct?, binary?: true}`, `{type: text.delta, text, "
@@ -97,7 +109,17 @@ def speech_paths(config: Config, text_pattern: str) -> dict[str, Any]:
     }
 
 
-def speech_schemas(config: Config, text_pattern: str) -> dict[str, Any]:
+def _voice(facts: EngineFacts) -> dict[str, Any]:
+    """A voice id, OpenAI's names (the default voice) or null; an object `{id}` too."""
+    one: dict[str, Any] = {"type": "string", "minLength": 1}
+    if facts.voices is not None:
+        one["enum"] = sorted({*facts.voices, *OPENAI_VOICES})
+    return {
+        "anyOf": [one, {"type": "null"}, {"type": "object", "required": ["id"], "properties": {"id": one}}]
+    }
+
+
+def speech_schemas(config: Config, text_pattern: str, facts: EngineFacts) -> dict[str, Any]:
     string = {"type": "string"}
     nullable = {"type": ["string", "null"]}
     return {
@@ -113,26 +135,19 @@ def speech_schemas(config: Config, text_pattern: str) -> dict[str, Any]:
                     "pattern": text_pattern,
                 },
                 "voice": {
-                    "anyOf": [
-                        {"type": "string", "minLength": 1},
-                        {"type": "null"},
-                        {
-                            "type": "object",
-                            "required": ["id"],
-                            "properties": {"id": {"type": "string", "minLength": 1}},
-                        },
-                    ],
+                    **_voice(facts),
                     "description": "A voice id (GET /v1/voices); OpenAI's names (alloy, ash, coral, echo, "
                     "fable, nova, onyx, sage, shimmer, ...) and null = the default voice.",
                 },
                 "response_format": {"enum": list(FORMATS), "description": "Default mp3."},
                 "speed": {
-                    "type": ["number", "null"],
-                    "minimum": 0.5,
-                    "maximum": 2.0,
+                    **speed_schema(facts),
                     "description": "As speak's `speed` (CosyVoice2, non-streaming); others 1 only.",
                 },
-                "instructions": {**nullable, "description": "CosyVoice2 instruct2 (as speak's `instruct`)."},
+                "instructions": {
+                    **instruct_schema(facts),
+                    "description": "CosyVoice2 instruct2 (as speak's `instruct`); others blank or null.",
+                },
                 "stream_format": {"enum": ["audio", "sse"], "description": "Default audio."},
             },
         },

@@ -161,7 +161,8 @@ async def speak(request: web.Request) -> web.Response:
     """The request is checked whole (query, body, text: `SpeakRequest.parse`) before the call is looked
     up: what a bad request gets does not depend on whether the call exists."""
     fields: dict[str, Any] = {"interrupt": _query_bool(request, "interrupt")}
-    if "voice" in request.query:
+    if "voice" in request.query:  # checked even when a JSON body's voice wins: bad input is refused
+        _registry(request).check_voice(request.query["voice"], principal(request))
         fields["voice"] = request.query["voice"]
     if request.content_type == NDJSON:
         return await _speak_stream(request, fields)

@@ -13,12 +13,18 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import aiohttp
 import pytest
+import requests
 import schemathesis
 from aiohttp import web
-from call_helpers import fake_config
+from call_helpers import PeerClient, fake_config
 from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 from schemathesis.checks import CHECKS, load_all_checks
+from schemathesis.config._checks import (
+    MISSING_REQUIRED_HEADER_EXPECTED_STATUSES as MISSING_HEADER_STATUSES,
+)
 from schemathesis.config._checks import (
     NEGATIVE_DATA_REJECTION_EXPECTED_STATUSES as NEGATIVE_STATUSES,
 )
@@ -26,8 +32,10 @@ from schemathesis.config._checks import (
     POSITIVE_DATA_ACCEPTANCE_EXPECTED_STATUSES as POSITIVE_STATUSES,
 )
 
-from signaling.app import create_app
+from signaling.app import ENGINE, create_app
 from signaling.openapi import openapi_spec
+from signaling.openapi_facts import EngineFacts
+from voicertc.webrtc.speech import engine_features
 
 TOKEN = "schemathesis-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -48,64 +56,142 @@ CONFIG = fake_config(
 )
 
 
-@pytest.fixture(scope="module")
-def server_url() -> Iterator[str]:
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="schemathesis-server", daemon=True)
-    thread.start()
-    runner = web.AppRunner(create_app(CONFIG))
+class Server:
+    """The app on its own loop in a thread, and a live call on it (an in-process browser peer)."""
 
-    async def start() -> str:
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="schemathesis-server", daemon=True)
+        self.thread.start()
+        self.runner = web.AppRunner(create_app(CONFIG))
+        self.peers: list[PeerClient] = []
+
+    def run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    async def start(self) -> str:
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
-        host, port = runner.addresses[0][:2]
+        host, port = self.runner.addresses[0][:2]
         return f"http://{host}:{port}"
 
-    url = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
-    try:
-        yield url
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+    async def live_call(self, url: str) -> str:
+        """A connected call (data channel open), as a browser makes one."""
+        peer = PeerClient()
+        self.peers.append(peer)
+        async with aiohttp.ClientSession(headers=AUTH) as session:
+            body = {"sdp": await peer.offer(), "type": "offer"}
+            async with session.post(f"{url}/v1/calls", json=body) as resp:
+                assert resp.status == 201, await resp.text()
+                answer = await resp.json()
+        await peer.accept(answer["sdp"])
+        await peer.wait_open()
+        return str(answer["id"])
+
+    async def offers(self) -> list[str]:
+        """Real SDP offers (what the `sdp-offer` format stands for), recvonly and sendrecv audio."""
+        peers = [PeerClient(mic=mic) for mic in (False, True)]
+        self.peers += peers
+        return [await peer.offer() for peer in peers]
+
+    def facts(self) -> EngineFacts:
+        """This server's engine as the document it serves describes it."""
+        engine = self.runner.app[ENGINE]
+        return EngineFacts(voices=tuple(engine.voices()), features=tuple(engine_features(engine)))
+
+    async def stop(self) -> None:
+        for peer in self.peers:
+            await peer.close()
+        await self.runner.cleanup()
+
+    def close(self) -> None:
+        self.run(self.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
 
 
-# /v1/audio/speech: a schema-valid voice, `instructions` or `speed` may still be one the engine does not
-# have or honour (a 400 naming it), which the schema cannot know
-_MEDIA_BODIES = [("POST", "/v1/calls"), ("POST", "/v1/voices"), ("POST", "/v1/audio/speech")]
+# Started at import: the schema below is generated from this server's engine (its voices and options),
+# and schemathesis' lazy fixture loader does not run under this pytest. Closed by `server_url`.
+SERVER = Server()
+URL = SERVER.run(SERVER.start())
+FACTS = SERVER.facts()
+schemathesis.openapi.format("sdp-offer", st.sampled_from(SERVER.run(SERVER.offers())))
+# what the `speak-ndjson` format stands for: one `{"text": delta}` object per line
+schemathesis.openapi.format(
+    "speak-ndjson",
+    st.lists(st.sampled_from(["Hello", " there,", " how are you?"]), min_size=1, max_size=3).map(
+        lambda deltas: "".join(json.dumps({"text": d}) + "\n" for d in deltas)
+    ),
+)
+# what the `sdp-fragment` format stands for: end of candidates, or a host candidate of the live call
+schemathesis.openapi.format(
+    "sdp-fragment",
+    st.sampled_from(
+        [
+            "a=end-of-candidates\r\n",
+            "a=mid:0\r\na=candidate:1 1 udp 2130706431 127.0.0.1 9 typ host\r\n",
+        ]
+    ),
+)
+CALLS = [SERVER.run(SERVER.live_call(URL)) for _ in range(2)]  # the second one for DELETE (hang-up)
+
+
+_NOT_YET_EXACT = [
+    ("POST", "/v1/voices"),
+    ("DELETE", "/v1/voices/{voice_id}"),
+]
 CHECKS_CONFIG: dict[str, Any] = {
-    # 413 is how this API refuses a body over a documented size (text over maxLength, SDP over 64 KiB).
-    "checks": {"negative_data_rejection": {"expected-statuses": [*NEGATIVE_STATUSES, "413"]}},
-    # An SDP offer or an audio clip can match its schema (a string) and still not be SDP or audio: JSON
-    # Schema cannot say what a usable offer or a decodable clip is, so a 400 naming the problem is a
-    # right answer to a schema-valid one. Everything else about these operations is checked as usual.
+    "request-timeout": 10,
+    # 413 is how this API refuses a body over a documented size (text over maxLength, SDP over 64 KiB);
+    # 426 how a WebSocket route refuses a request without the upgrade headers its document requires.
+    "checks": {
+        "negative_data_rejection": {"expected-statuses": [*NEGATIVE_STATUSES, "413", "426"]},
+        "missing_required_header": {"expected-statuses": [*MISSING_HEADER_STATUSES, "426"]},
+        # 101 Switching Protocols: how a WebSocket route accepts a request with the upgrade headers
+        "positive_data_acceptance": {"expected-statuses": [*POSITIVE_STATUSES, "101"]},
+        "not_a_server_error": {"expected-statuses": ["101", "2xx", "3xx", "4xx"]},
+    },
+    # a live call's event stream never ends: its first event (or 0.5 s of it) is the answer under test
+    # A live call and a voice of this engine fill the path parameters of every operation.
+    "parameters": {"call_id": CALLS[0], "voice_id": FACTS.voices[0]},
     "operations": [
+        # a live call's event stream never ends: its first event (or 0.5 s of it) is the answer under test
+        {"include-path": "/v1/calls/{call_id}/events", "max-stream-events": 1, "request-timeout": 0.5},
+        {
+            "include-method": "DELETE",
+            "include-path": "/v1/calls/{call_id}",
+            "parameters": {"call_id": CALLS[1]},
+        },
+    ]
+    + [
+        # NOT YET EXACT (issue 24 item 7, left open): the fake engine registers and deletes no voices,
+        # so every request gets 400 `not_supported`; needs an engine with a voice book (and an
+        # audio-clip format for `audio`) to be tested without this.
         {
             "include-method": method,
             "include-path": path,
-            "checks": {"positive_data_acceptance": {"expected-statuses": [*POSITIVE_STATUSES, "400"]}},
+            "checks": {"positive_data_acceptance": {"expected-statuses": [*POSITIVE_STATUSES, "101", "400"]}},
         }
-        for method, path in _MEDIA_BODIES
-    ]
-    + [
-        # a WebSocket: plain HTTP (what schemathesis sends) cannot open it, 426 says so
-        {
-            "include-method": "GET",
-            "include-path": "/v1/tts/stream",
-            "checks": {"positive_data_acceptance": {"expected-statuses": [*POSITIVE_STATUSES, "426"]}},
-        }
+        for method, path in _NOT_YET_EXACT
     ],
 }
 
-# The document the server serves (checked equal below); loaded at import, as schemathesis' lazy
-# fixture loader does not run under this pytest.
+# The document the server serves to this token (checked equal below).
 schema = schemathesis.openapi.from_dict(
-    openapi_spec(CONFIG), config=schemathesis.Config.from_dict(CHECKS_CONFIG)
+    openapi_spec(CONFIG, FACTS), config=schemathesis.Config.from_dict(CHECKS_CONFIG)
 )
 load_all_checks()
 ALL_CHECKS = list(CHECKS.get_all())
+
+
+@pytest.fixture(scope="module")
+def server_url() -> Iterator[str]:
+    try:
+        yield URL
+    finally:
+        SERVER.close()
 
 
 @schema.parametrize()
@@ -116,11 +202,9 @@ ALL_CHECKS = list(CHECKS.get_all())
     derandomize=True,
 )
 def test_api(case: schemathesis.Case, server_url: str) -> None:
-    case.call_and_validate(base_url=server_url, headers=AUTH, checks=ALL_CHECKS, timeout=10)
+    case.call_and_validate(base_url=server_url, headers=AUTH, checks=ALL_CHECKS)
 
 
 def test_the_served_document_is_the_one_tested(server_url: str) -> None:
-    import requests
-
-    served = requests.get(f"{server_url}/openapi.json", timeout=10).json()
-    assert served == json.loads(json.dumps(openapi_spec(CONFIG)))
+    served = requests.get(f"{server_url}/openapi.json", headers=AUTH, timeout=10).json()
+    assert served == json.loads(json.dumps(openapi_spec(CONFIG, FACTS)))

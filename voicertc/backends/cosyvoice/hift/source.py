@@ -35,11 +35,16 @@ class SourceDraws:
 
         The reference draws its noise with `randn_like` on a transposed (non-contiguous) tensor, which
         takes torch's scalar sampling path, and then a third, discarded `[B, L, 1]` draw; both are
-        mirrored so a seeded generator gives the reference's excitation bit for bit.
+        mirrored so a seeded generator gives the reference's excitation bit for bit. The draws are made
+        on the generator's device: a CUDA generator (`[engine] cuda_graphs`) spares the host the ~1e6
+        normal draws of a long chunk; the bit-for-bit parity is the CPU generator's.
         """
-        initial_phase = torch.rand(batch, harmonics, generator=generator)
-        noise = torch.empty(batch, harmonics, samples).transpose(1, 2).normal_(generator=generator)
-        torch.empty(batch, samples, 1).normal_(generator=generator)
+        device = generator.device if generator is not None else torch.device("cpu")  # a GPU's own draws
+        initial_phase = torch.rand(batch, harmonics, generator=generator, device=device)
+        noise = (
+            torch.empty(batch, harmonics, samples, device=device).transpose(1, 2).normal_(generator=generator)
+        )
+        torch.empty(batch, samples, 1, device=device).normal_(generator=generator)
         return SourceDraws(initial_phase=initial_phase, noise=noise)
 
 

@@ -134,6 +134,9 @@ class CosyVoice2Backend:
         self.kv = SlotKV(model.llm.llm.model.model, slots, self.options.kv_capacity)
         self.graphs = self._decode_graphs()
         self.captured = self._captured_steps()
+        # the vocoder's excitation draws: on the GPU in the GPU serving mode, on the host (the reference's
+        # bit-for-bit stream) otherwise
+        self._hift_draws_device = model.device if self.options.cuda_graphs else torch.device("cpu")
         self._active: dict[str, Utterance[Cv2State]] = {}  # diagnostics only (leak checks); never scheduled
         self.stats = {
             "chunks": 0, "batches": 0, "batched_chunks": 0, "batch_fallbacks": 0,
@@ -263,7 +266,7 @@ class CosyVoice2Backend:
             speed=options.speed if "speed" in self.features else 1.0,
             llm_generator=torch.Generator(self.model.device).manual_seed(seed),
             llm_seed=seed,
-            hift_generator=torch.Generator().manual_seed(seed + 1),
+            hift_generator=torch.Generator(self._hift_draws_device).manual_seed(seed + 1),
         )
 
     def _seed(self, utterance_id: str) -> int:

@@ -35,13 +35,14 @@ def model(tiny_model_dir, golden_dir, tmp_path_factory):
 def test_stop_ends_the_engine_thread_within_its_timeout_whatever_it_was_doing(
     model, golden_dir, tmp_path, caplog
 ):
+    before = {p.pid for p in multiprocessing.active_children()}  # other tests' in this worker process
     backend = make_backend(
         model, golden_dir, tmp_path / "voices",
         text_workers=1, max_segment_tokens=600, speed_window_tokens=100,
     )  # fmt: skip
     engine = EngineWorker(backend, name="cv2-shutdown")
     engine.start()
-    pool_children = {p.pid for p in multiprocessing.active_children()}
+    pool_children = {p.pid for p in multiprocessing.active_children()} - before
     log = EventLog()
     slow = engine.open_utterance(GOLDEN_VOICE, RecordingSink(), log, options=SpeakOptions(speed=0.9))
     engine.push_text(slow, "This long utterance is spoken slowly, in many bounded windows. " * 40)

@@ -8,15 +8,16 @@ ARGS ?=
 # The suite in three phases: the model tests (CPU-bound, no clocks: parity, batching, exports) on two
 # pytest-xdist workers, a module per worker at a time, one torch thread each (tests/conftest.py); the
 # servers without clocks (below) on two workers; then the real-time tests (calls, browsers, listening)
-# in one process, so nothing CPU-heavy runs beside a test that measures playback. `make test ARGS="tests/test_call.py -x"` runs just that.
+# and the Ray cluster in one process, so nothing CPU-heavy runs beside a test that measures playback. `make test ARGS="tests/test_call.py -x"` runs just that.
 PARALLEL_TESTS := $(filter-out tests/test_cv2_loopback.py tests/test_cv2_text_prep.py,$(wildcard tests/test_cv2_*.py)) \
 	$(wildcard tests/test_cv3_*.py tests/test_export_*.py tests/test_gpu*.py) tests/test_doctor.py \
 	tests/test_import_graph.py tests/test_speak_request.py tests/test_delivery.py tests/test_schedule.py \
 	tests/test_scheduler.py tests/test_scheduler_batches.py tests/test_validation_properties.py \
 	tests/test_voice_ids.py tests/test_trim.py tests/test_text_chunks.py tests/test_resampler.py
-# Servers without clocks (schemas, config, voices, the Ray cluster): two workers, a module per worker,
-# every Ray module on one worker (tests/conftest.py groups them), beside nothing that measures playback.
-SERVER_TESTS := $(wildcard tests/test_ray_*.py) tests/test_config.py \
+# Servers without clocks (schemas, config, voices): two workers, a module per worker, beside nothing that
+# measures playback. The Ray modules stay serial: a client joins the newest cluster on the host
+# (`address = "auto"`), so two Ray modules at once would cross their clusters.
+SERVER_TESTS := tests/test_config.py \
 	tests/test_container.py tests/test_cors.py tests/test_turn.py tests/test_voice_api.py \
 	tests/test_voice_owners.py tests/test_voice_decode_bounds.py tests/test_api_tokens.py \
 	tests/test_api_bad_input.py tests/test_call_info_schema.py tests/test_speak_options.py \
@@ -38,7 +39,7 @@ serve: install
 test: install-dev chromium coturn typecheck lint
 ifeq ($(strip $(ARGS)),)
 	$(PYTEST) -n 2 --dist loadscope $(PARALLEL_TESTS)
-	$(PYTEST) -n 2 --dist loadgroup $(SERVER_TESTS)
+	$(PYTEST) -n 2 --dist loadscope $(SERVER_TESTS)
 	$(PYTEST) $(SERIAL_TESTS)
 else
 	$(PYTEST) $(ARGS)

@@ -34,9 +34,7 @@ def pytest_configure(config):
     torch.set_num_threads(share)
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    _group_by_module(items)
     try:
         import torch
 
@@ -49,14 +47,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
-
-
-def _group_by_module(items) -> None:
-    """`--dist loadgroup` (the Makefile's server phase) keeps a module on one worker, like loadscope, and
-    puts every Ray module in one group: one Ray cluster at a time on this machine."""
-    for item in items:
-        name = Path(str(item.fspath)).stem
-        item.add_marker(pytest.mark.xdist_group("ray" if name.startswith("test_ray_") else name))
 
 
 # --- no unexpected tracebacks (every test) ----------------------------------------------------------

@@ -26,9 +26,9 @@ def g(cv3_records):
     return cv3_records("flow_nonstream.safetensors")
 
 
-def _stream(flow, g, hops=HOPS, skip: int = 0) -> torch.Tensor:
+def _stream(flow, g, hops=HOPS) -> torch.Tensor:
     state = flow.init_stream(g["in_prompt_token"].long(), g["in_prompt_feat"], g["in_embedding"])
-    tokens, start, mels = g["in_token"].long()[:, skip:], 0, []
+    tokens, start, mels = g["in_token"].long(), 0, []
     for i, hop in enumerate(hops):
         final = i == len(hops) - 1
         new = tokens[:, start : start + hop if final else start + hop + 3]

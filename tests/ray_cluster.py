@@ -37,6 +37,20 @@ def front_end(app: str, **sections: dict[str, Any]) -> Config:
     return fake_config(engine=engine, ray={**ray_keys, **sections.pop("ray", {})}, **sections)
 
 
+_TOKEN: list[Path] = []  # the session's one token file
+
+
+def session_token(tmp_path_factory: Any) -> Path:
+    """One token file for every in-process cluster of the session: Ray keeps the first token it read
+    for the life of the process, so a second module's cluster with a new token would refuse its own
+    driver ("InvalidAuthToken" as its GCS starts)."""
+    if not _TOKEN:
+        path = tmp_path_factory.mktemp("ray") / "auth_token"
+        path.write_text(secrets.token_hex(32))
+        _TOKEN.append(path)
+    return _TOKEN[0]
+
+
 @contextlib.contextmanager
 def local_cluster(tmp_path_factory: Any, tiny_model_dir: Path, cv2_replicas: int) -> Iterator[Path]:
     """A local Ray cluster on 127.0.0.1 with the two engine apps (two fake replicas, `cv2_replicas`
@@ -51,8 +65,7 @@ def local_cluster(tmp_path_factory: Any, tiny_model_dir: Path, cv2_replicas: int
 
     speaking_dir = make_tiny_model_dir(tmp_path_factory.mktemp("cv2_speak"), checkpoints_from=tiny_model_dir)
     voices_dir = voices_dir_of(speaking_dir)
-    token = tmp_path_factory.mktemp("ray") / "auth_token"
-    token.write_text(secrets.token_hex(32))
+    token = session_token(tmp_path_factory)
     apply_auth(RayConfig(auth_mode="token", auth_token_path=str(token)))
     from ray._private import ray_constants
 

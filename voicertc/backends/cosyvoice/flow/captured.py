@@ -129,8 +129,8 @@ class CapturedEstimator(GraphEstimator):
             capture=capture,
             budget=budget or GraphBudget(limit_bytes=int(memory_mb * 2**20)),
         )
-        self._bias_key: tuple[object, ...] | None = None
-        self._bias: Tensor | None = None
+        self._positions_key: tuple[object, ...] | None = None
+        self._positions: tuple[Tensor, list[Tensor]] | None = None  # bias, [tail, rope...]
 
     @property
     def stats(self) -> StageStats:
@@ -156,30 +156,31 @@ class CapturedEstimator(GraphEstimator):
             return self._exact(x, mu, t, spks, cond, caches, chunk_masks)
         pad = shape.frames - frames
         x_in, mu_in, cond_in = (F.pad(v, (0, pad)) for v in (x, mu, cond))
-        bias = self._padded_bias(starts, rows, shape, frames, chunk_masks, x)
+        bias, extra = self._padded_positions(starts, rows, shape, frames, chunk_masks, x)
         conv, kv, _ = pack_caches(
             caches, rows, shape.frames, self.layout, chunk_masks, x, shape.keys, frames, bias
         )
-        width = self.layout.conv_width
-        tail = (torch.arange(width, device=x.device) + frames).expand(batch, width)
-        inputs = [x_in, mu_in, t, spks, cond_in, conv, kv, bias, tail]
-        inputs += self.module.rope(starts, rows, shape.frames, x.dtype)
+        inputs = [x_in, mu_in, t, spks, cond_in, conv, kv, bias, *extra]
         outputs = self.steps.run(shape.rows, inputs)
         velocity, conv_out, kv_new = outputs if outputs is not None else self.module(*inputs)
         kv_new = kv_new.narrow(4, 0, frames)
         unpack_caches(caches, rows, self.layout, conv_out.to(x.dtype), kv_new.to(x.dtype))
         return velocity[:, :, :frames].to(x.dtype)
 
-    def _padded_bias(
+    def _padded_positions(
         self, starts: list[int], rows: int, shape: StepShape, frames: int, chunk_masks: bool, like: Tensor
-    ) -> Tensor:
-        """The call's attention bias, made once for the 10 Euler steps of a chunk (same positions)."""
+    ) -> tuple[Tensor, list[Tensor]]:
+        """The call's position-only inputs (attention bias; conv tail index and, for the DiT, rotary
+        angles), made once for the 10 Euler steps of a chunk: they share every position."""
         key = (tuple(starts), rows, shape, frames, chunk_masks, like.dtype, like.device)
-        if key != self._bias_key or self._bias is None:
+        if key != self._positions_key or self._positions is None:
             chunk = self.layout.chunk_frames if chunk_masks else None
             bias = attention_bias(starts, rows, shape.frames, shape.keys, chunk, like.dtype, frames)
-            self._bias, self._bias_key = bias.to(like.device), key
-        return self._bias
+            width, batch = self.layout.conv_width, rows * len(starts)
+            tail = (torch.arange(width, device=like.device) + frames).expand(batch, width)
+            rope = self.module.rope(starts, rows, shape.frames, like.dtype)
+            self._positions, self._positions_key = (bias.to(like.device), [tail, *rope]), key
+        return self._positions
 
     def _exact(
         self,

@@ -147,6 +147,7 @@ class EngineWorker:
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._commands_open = False  # the thread will still read its queue (set under _lifecycle_lock)
         self._voice_prep: ThreadPoolExecutor | None = None  # one thread: voice features off the engine
         self.stats = {"utterances": 0, "done": 0, "cancelled": 0, "failed": 0}
 
@@ -159,6 +160,7 @@ class EngineWorker:
                 return
             self._ready.clear()
             self._load_error = None
+            self._commands_open = True
             self._thread = threading.Thread(target=self._run, name=f"voicertc-{self.name}", daemon=True)
             self._thread.start()
         self._ready.wait()
@@ -286,7 +288,7 @@ class EngineWorker:
         """
         future: Future[T] = Future()
         with self._lifecycle_lock:
-            if self._thread is None or not self._thread.is_alive():
+            if not self._commands_open or self._thread is None or not self._thread.is_alive():
                 future.set_exception(EngineStoppedError(f"engine {self.name} is not running"))
                 return future
             self._queue.put(RunCommand(fn, future))
@@ -313,7 +315,11 @@ class EngineWorker:
                 return
             if done.cancelled():
                 answer.set_exception(EngineStoppedError(f"engine {self.name} stopped"))
-            elif (exc := done.exception()) is not None:
+            elif (exc := done.exception()) is not None and not self._accepting:
+                stopped = EngineStoppedError(f"engine {self.name} stopped")  # its text processes with it
+                stopped.__cause__ = exc
+                answer.set_exception(stopped)
+            elif exc is not None:
                 answer.set_exception(exc)
             else:
                 features = done.result()
@@ -665,6 +671,8 @@ class EngineWorker:
 
     def _teardown(self) -> None:
         """Cancel open utterances and any still queued (opened before Stop), then close the backend."""
+        with self._lifecycle_lock:  # a command submitted from now on is refused, not left in the queue
+            self._commands_open = False
         while True:
             try:
                 command = self._queue.get_nowait()

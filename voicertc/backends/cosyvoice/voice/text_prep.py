@@ -159,8 +159,14 @@ class ProcessTextPrep:
                 return self._pool.submit(_child_prepare, text, split)
 
     def close(self) -> None:
+        """Queued jobs cancelled and the processes ended now: one busy with a long text is not waited for
+        (its job fails with BrokenProcessPool; text preparation holds nothing worth finishing)."""
         with self._lock:
+            processes = list((getattr(self._pool, "_processes", None) or {}).values())
             self._pool.shutdown(wait=False, cancel_futures=True)
+            for process in processes:
+                process.terminate()
+            logger.debug("text preparation: %d process(es) ended", len(processes))
 
 
 def text_prep_for(frontend: TextFrontend, workers: int) -> TextPrep:

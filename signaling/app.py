@@ -224,6 +224,9 @@ async def _readyz(request: web.Request) -> web.Response:
     if ready:
         return web.json_response({"status": "ready", "engine": request.app[CONFIG].engine.backend})
     reason = engine.not_ready_reason or "engine not ready"
+    loading = request.app.get(ENGINE_START)
+    if loading is not None and not loading.done() and not engine.running:
+        reason = "engine is loading and warming up"  # its thread is not started yet
     return web.json_response(
         {"status": "not_ready", "reason": reason, "engine": request.app[CONFIG].engine.backend},
         status=503,

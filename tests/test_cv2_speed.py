@@ -81,13 +81,13 @@ def test_a_long_speed_segment_runs_in_bounded_full_attention_windows(model, gold
     tokens = tts["in_token"][:, :50]  # [1, 50]: windows of 20, 20, 10
     window, speed = 20, 0.8
     calls: list[int] = []
-    infer = model.flow.infer
+    infer, start_window = model.flow.infer, model.flow.start_window
 
     def counting(speech_tokens, *args, **kwargs):
         calls.append(speech_tokens.shape[1])
-        return infer(speech_tokens, *args, **kwargs)
+        return start_window(speech_tokens, *args, **kwargs)
 
-    monkeypatch.setattr(model.flow, "infer", counting)
+    monkeypatch.setattr(model.flow, "start_window", counting)
     stream = token2wav_stream(
         model, voice, ChunkSchedule(), generator=torch.Generator().manual_seed(0), speed=speed,
         speed_window_tokens=window,

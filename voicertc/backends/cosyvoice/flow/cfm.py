@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -73,24 +74,67 @@ class CausalConditionalCFM(nn.Module):
     ) -> Tensor:
         # noise, mu, cond: [N, 80, T] new frames of N utterances; spks: [N, 80];
         # step_caches[n][k]: utterance n, Euler step k -> mel [N, 80, T]
+        solve = self.start(noise, mu, spks, cond, step_caches, chunk_masks)
+        self.advance(solve)
+        return solve.x.float()
+
+    def start(
+        self,
+        noise: Tensor,
+        mu: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        step_caches: list[list[EstimatorCache]],
+        chunk_masks: bool,
+    ) -> EulerSolve:
+        """A solve before its first Euler step (`advance` runs them; `forward` is start + advance all)."""
         n, bins, frames = mu.shape
         t_span = cosine_t_span(self.n_timesteps).to(mu.device, mu.dtype)
         # rows per utterance: [conditional, unconditional (mu, speaker, cond zeroed)]
-        mu_in = torch.stack([mu, torch.zeros_like(mu)], dim=1).view(2 * n, bins, frames)
-        spks_in = torch.stack([spks, torch.zeros_like(spks)], dim=1).view(2 * n, bins)
-        cond_in = torch.stack([cond, torch.zeros_like(cond)], dim=1).view(2 * n, bins, frames)
-        x = noise
-        t, dt = t_span[0], t_span[1] - t_span[0]
-        for step in range(self.n_timesteps):
-            x_in = x.unsqueeze(1).expand(n, 2, bins, frames).reshape(2 * n, bins, frames)
-            t_in = t.expand(2 * n)
-            caches = [utterance[step] for utterance in step_caches]
-            estimate = self.estimator_runner or self.estimator
-            out = estimate(x_in, mu_in, t_in, spks_in, cond_in, caches, chunk_masks)
+        return EulerSolve(
+            x=noise,
+            mu_in=torch.stack([mu, torch.zeros_like(mu)], dim=1).view(2 * n, bins, frames),
+            spks_in=torch.stack([spks, torch.zeros_like(spks)], dim=1).view(2 * n, bins),
+            cond_in=torch.stack([cond, torch.zeros_like(cond)], dim=1).view(2 * n, bins, frames),
+            step_caches=step_caches,
+            chunk_masks=chunk_masks,
+            t_span=t_span,
+            t=t_span[0],
+            dt=t_span[1] - t_span[0],
+        )
+
+    def advance(self, solve: EulerSolve, steps: int | None = None) -> bool:
+        """Run the next `steps` Euler steps of `solve` (None: all left); whether it is done."""
+        n, bins, frames = solve.x.shape
+        last = self.n_timesteps if steps is None else min(self.n_timesteps, solve.step + steps)
+        estimate = self.estimator_runner or self.estimator
+        for step in range(solve.step, last):
+            x_in = solve.x.unsqueeze(1).expand(n, 2, bins, frames).reshape(2 * n, bins, frames)
+            t_in = solve.t.expand(2 * n)
+            caches = [utterance[step] for utterance in solve.step_caches]
+            out = estimate(x_in, solve.mu_in, t_in, solve.spks_in, solve.cond_in, caches, solve.chunk_masks)
             out = out.view(n, 2, bins, frames)
             velocity = (1.0 + self.cfg_rate) * out[:, 0] - self.cfg_rate * out[:, 1]
-            x = x + dt * velocity
-            t = t + dt
+            solve.x = solve.x + solve.dt * velocity
+            solve.t = solve.t + solve.dt
             if step < self.n_timesteps - 1:
-                dt = t_span[step + 2] - t
-        return x.float()
+                solve.dt = solve.t_span[step + 2] - solve.t
+            solve.step = step + 1
+        return solve.step >= self.n_timesteps
+
+
+@dataclass
+class EulerSolve:
+    """One CFM solve between Euler steps (engine thread): `x` after `step` of the n steps, and what
+    every step reads. A full-attention call is solved a few steps per engine step through it."""
+
+    x: Tensor  # [N, 80, T]
+    mu_in: Tensor  # [2N, 80, T] rows per utterance: conditional, unconditional
+    spks_in: Tensor  # [2N, 80]
+    cond_in: Tensor  # [2N, 80, T]
+    step_caches: list[list[EstimatorCache]]
+    chunk_masks: bool
+    t_span: Tensor  # [n + 1]
+    t: Tensor
+    dt: Tensor
+    step: int = 0

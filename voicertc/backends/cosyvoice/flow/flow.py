@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from voicertc.backends.cosyvoice.flow.cfm import CausalConditionalCFM, fixed_noise
+from voicertc.backends.cosyvoice.flow.cfm import CausalConditionalCFM, EulerSolve, fixed_noise
 from voicertc.backends.cosyvoice.flow.config import NOISE_FRAMES, YAML_NAME, FlowConfig
 from voicertc.backends.cosyvoice.flow.encoder import EncoderCache, UpsampleConformerEncoder
 from voicertc.backends.cosyvoice.flow.kv import KVCache
@@ -146,6 +146,34 @@ class CausalFlow(nn.Module):
         state = self._new_state(prompt_tokens, prompt_feat, embedding)
         chunk = self._chunk(state, self._check_tokens(tokens, "tokens"), finalize, check_grid=False)
         return self._run([chunk], chunk_masks=streaming)[0]
+
+    @torch.inference_mode()
+    def start_window(
+        self,
+        tokens: Tensor,
+        prompt_tokens: Tensor,
+        prompt_feat: Tensor,
+        embedding: Tensor,
+        *,
+        streaming: bool,
+        finalize: bool,
+    ) -> WindowSolve:
+        """`infer` in bounded parts: the encoder now, the Euler steps in `advance_window` calls (a
+        full-attention call over many tokens would otherwise hold the engine thread for all of them)."""
+        state = self._new_state(prompt_tokens, prompt_feat, embedding)
+        chunk = self._chunk(state, self._check_tokens(tokens, "tokens"), finalize, check_grid=False)
+        if chunk.tokens.shape[1] == 0:
+            return WindowSolve(None, 0, state.spks.new_zeros(1, self.cfg.mel_bins, 0))
+        return WindowSolve(self._start([chunk], chunk_masks=streaming), chunk.drop_frames)
+
+    @torch.inference_mode()
+    def advance_window(self, window: WindowSolve, euler_steps: int | None = None) -> Tensor | None:
+        """The next `euler_steps` of `window` (None: all left); its mel [1, 80, F] once solved, else None."""
+        if window.mel is None and window.solve is not None:
+            if self.decoder.advance(window.solve, euler_steps):
+                window.mel = window.solve.x.float()[:, :, window.drop_frames :]
+                window.solve = None  # the estimator caches of a full-attention call go now
+        return window.mel
 
     # ----------------------------------------------------------------- incremental
     @torch.inference_mode()
@@ -275,6 +303,17 @@ class CausalFlow(nn.Module):
         # -> per chunk: mel [1, 80, frames - drop_frames]
         if chunks[0].tokens.shape[1] == 0:
             return [c.state.spks.new_zeros(1, self.cfg.mel_bins, 0) for c in chunks]
+        mel = self.decoder(*self._cfm_inputs(chunks, chunk_masks))
+        return [mel[i : i + 1, :, c.drop_frames :] for i, c in enumerate(chunks)]
+
+    def _start(self, chunks: list[_Chunk], chunk_masks: bool) -> EulerSolve:
+        """Encode the chunks (their states advance now) and set up their CFM solve."""
+        return self.decoder.start(*self._cfm_inputs(chunks, chunk_masks))
+
+    def _cfm_inputs(
+        self, chunks: list[_Chunk], chunk_masks: bool
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, list[list[EstimatorCache]], bool]:
+        """Encode the chunks (their states advance now): the CFM's noise, mu, speaker, condition."""
         starts = [c.state.frames for c in chunks]
         for c in chunks:  # the pending prompt tokens are part of this chunk now
             c.state.pending_prompt = c.state.pending_prompt[:, :0]
@@ -283,8 +322,16 @@ class CausalFlow(nn.Module):
         noise = torch.cat([fixed_noise()[:, :, s : s + frames] for s in starts], dim=0).to(mu)
         cond = torch.cat([self._cond(c.state, s, frames) for c, s in zip(chunks, starts, strict=True)], dim=0)
         spks = torch.cat([c.state.spks for c in chunks], dim=0)
-        mel = self.decoder(noise, mu, spks, cond, [c.state.estimator for c in chunks], chunk_masks)
-        return [mel[i : i + 1, :, c.drop_frames :] for i, c in enumerate(chunks)]
+        return noise, mu, spks, cond, [c.state.estimator for c in chunks], chunk_masks
+
+
+@dataclass
+class WindowSolve:
+    """A whole-prefix (full-attention) flow call between bounded parts; `mel` once solved."""
+
+    solve: EulerSolve | None  # None once solved (or for no tokens)
+    drop_frames: int  # leading frames that belong to the prompt
+    mel: Tensor | None = None  # [1, 80, F]
 
 
 def load_flow_state_dict(module: CausalFlow, state_dict: dict[str, Tensor], source_name: str) -> None:

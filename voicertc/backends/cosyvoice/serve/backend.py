@@ -81,6 +81,10 @@ from voicertc.errors import ConfigError, InputError
 logger = logging.getLogger(__name__)
 
 SAMPLE_RATE_HZ = 24000
+# Euler steps of a full-attention flow call (a speed window, a "reference" final chunk) per engine step:
+# such a call covers up to `speed_window_tokens`, so one step of it costs about what a streaming chunk's
+# ten steps do, and a cancel or another call's unit lands between them.
+WINDOW_EULER_STEPS = 1
 
 
 @dataclass(frozen=True)
@@ -587,7 +591,11 @@ class CosyVoice2Backend:
             if len(ready) != len(plans):
                 raise RuntimeError("flow chunk planned but not ready")
             if whole:
-                mels = [t2ws[0].flow_mel(ready[0])]
+                mel = t2ws[0].flow_mel_part(ready[0], euler_steps=WINDOW_EULER_STEPS)
+                if mel is None:  # a full-attention call between its Euler steps: the next unit goes on
+                    self._state(group[0]).window_flow_s += time.perf_counter() - started
+                    return [SynthStep(sample_rate_hz=SAMPLE_RATE_HZ)]
+                mels = [mel]
             else:
                 mels = self.model.flow.stream_step_batch(
                     [p.new_tokens for p in ready], flow_states, finalize=final
@@ -601,12 +609,22 @@ class CosyVoice2Backend:
                 t2w.flow_state = state
             return [r for job in group for r in self._flow_group([job])]
         flow_s = (time.perf_counter() - started) / len(group)
+        if whole:
+            flow_s += self._state(group[0]).window_flow_s
+            self._state(group[0]).window_flow_s = 0.0
         if len(group) > 1:
             self.stats["batches"] += 1
             self.stats["batched_chunks"] += len(group)
-        for job, plan, mel in zip(group, ready, mels, strict=True):
-            self._state(job).flowed = FlowedChunk(plan, mel, flow_s)
+        for job, t2w, plan, mel in zip(group, t2ws, ready, mels, strict=True):
+            pieces = None if t2w.streaming else self.vocoder_piece_frames  # a speed window's long mel
+            self._state(job).flowed = FlowedChunk(plan, mel, flow_s, pieces)
         return [SynthStep(sample_rate_hz=SAMPLE_RATE_HZ) for _ in group]
+
+    @property
+    def vocoder_piece_frames(self) -> int:
+        """A speed window's mel goes to the vocoder in pieces no longer than a streaming chunk's."""
+        hop = self.schedule.max_hop_tokens + self.schedule.lookahead_tokens
+        return self.model.flow.cfg.token_mel_ratio * hop
 
     def _t2w(self, job: Cv2Job) -> Token2WavStream:
         t2w = self._state(job).t2w
@@ -621,10 +639,10 @@ class CosyVoice2Backend:
         fails, each row is retried alone (its HiFT state is only written once its own row succeeded)."""
         try:
             states = [self._state(job) for job in batch]
-            flowed = [st.flowed for st in states]
             t2ws = [st.t2w for st in states]
-            if any(f is None for f in flowed) or any(t is None for t in t2ws):
+            if any(st.flowed is None for st in states) or any(t is None for t in t2ws):
                 raise RuntimeError("vocoder unit planned without a flowed chunk")
+            pieces = [st.flowed.next_piece(t2w.emitted_tokens) for st, t2w in zip(states, t2ws, strict=True)]  # type: ignore[union-attr]
         except Exception as exc:  # noqa: BLE001 - isolated per utterance
             return self._vocode_alone(batch) if len(batch) > 1 else [exc]
         if len(batch) > 1:
@@ -632,9 +650,9 @@ class CosyVoice2Backend:
         try:
             chunks = vocode_batch(
                 t2ws,  # type: ignore[arg-type]
-                [f.plan for f in flowed],  # type: ignore[union-attr]
-                [f.mel for f in flowed],  # type: ignore[union-attr]
-                [f.flow_s for f in flowed],  # type: ignore[union-attr]
+                [plan for plan, _, _ in pieces],
+                [mel for _, mel, _ in pieces],
+                [st.flowed.flow_s for st in states],  # type: ignore[union-attr]
                 to_host=self.lane.to_host_async,
             )
         except Exception as exc:  # noqa: BLE001 - retried alone below (or the lone row fails)
@@ -646,8 +664,8 @@ class CosyVoice2Backend:
             return self._vocode_alone(batch)
         self.stats["vocode_batches"] += 1
         results: list[StepResult] = []
-        for job, st, chunk in zip(batch, states, chunks, strict=True):
-            st.flowed = None
+        for job, st, chunk, (_, _, rest) in zip(batch, states, chunks, pieces, strict=True):
+            st.flowed = rest
             self._account(job.utt, chunk)
             pcm = [chunk.pcm] if chunk.pcm.size else []
             results.append(SynthStep(pcm=pcm, sample_rate_hz=SAMPLE_RATE_HZ))

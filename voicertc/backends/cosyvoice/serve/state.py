@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -41,11 +41,31 @@ TextMode = Literal["whole", "deltas"]
 
 @dataclass
 class FlowedChunk:
-    """A chunk the flow has computed, waiting for the vocoder."""
+    """A chunk the flow has computed, waiting for the vocoder: in one engine step, or (a speed window's
+    re-timed mel, up to `speed_window_tokens / speed` tokens' worth) in pieces of `piece_frames`."""
 
     plan: ChunkPlan
     mel: Tensor  # [1, 80, F]
     flow_s: float
+    piece_frames: int | None = None  # None: vocoded whole
+
+    @property
+    def last_piece(self) -> bool:
+        return self.piece_frames is None or self.mel.shape[2] <= self.piece_frames
+
+    @property
+    def next_frames(self) -> int:
+        """Mel frames the next vocoder step takes."""
+        return self.mel.shape[2] if self.last_piece else int(self.piece_frames or 0)
+
+    def next_piece(self, emitted_tokens: int) -> tuple[ChunkPlan, Tensor, FlowedChunk | None]:
+        """The next vocoder step's plan and mel, and what is left after it (None: nothing). A piece
+        before the last completes no tokens (`end_tokens` stays at `emitted_tokens`) and is not final."""
+        if self.last_piece:
+            return self.plan, self.mel, None
+        frames = self.next_frames
+        head = ChunkPlan(self.plan.new_tokens[:, :0], emitted_tokens, 0, final=False)
+        return head, self.mel[:, :, :frames], replace(self, mel=self.mel[:, :, frames:], flow_s=0.0)
 
 
 @dataclass
@@ -104,6 +124,7 @@ class Cv2State:
     bistream: BistreamSession | None = None
     t2w: Token2WavStream | None = None
     flowed: FlowedChunk | None = None
+    window_flow_s: float = 0.0  # flow time of a full-attention call solved so far (its earlier units)
     done: bool = False
     started_s: float | None = None  # worker clock at the first unit
     llm_steps: int = 0  # LLM forwards of the current segment
@@ -156,10 +177,10 @@ class Cv2State:
             return None
         if self.flowed is not None:
             hift = self.t2w.hift_state if self.t2w is not None else None
-            frames = self.flowed.mel.shape[2]
+            frames = self.flowed.next_frames
             if hift is not None and hift.mel_cache is not None:
                 frames += hift.mel_cache.shape[2]
-            return Vocode(frames=frames, final=self.flowed.plan.final)
+            return Vocode(frames=frames, final=self.flowed.plan.final and self.flowed.last_piece)
         if self.mode is None:
             return Frontend() if utt.input_ended or utt.text.strip() else None
         if self.pending.ready():

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from voicertc.backends.cosyvoice.flow.flow import CausalFlow, FlowStreamState
+from voicertc.backends.cosyvoice.flow.flow import CausalFlow, FlowStreamState, WindowSolve
 from voicertc.backends.cosyvoice.hift.generator import HiFTGenerator
 from voicertc.backends.cosyvoice.hift.stream import HiftStreamState, hift_stream_step, init_hift_stream_state
 from voicertc.engine.schedule import ChunkSchedule
@@ -81,6 +81,8 @@ class Token2WavStream:
     finished: bool = False
     speed: float = 1.0  # != 1: non-streaming (whole-segment chunks, mel re-timed), as the reference
     speed_window_tokens: int = 500  # a non-streaming chunk's tokens at most (20 s): bounded flow calls
+    window: WindowSolve | None = None  # a full-attention flow call between its Euler steps
+    window_end_tokens: int = 0  # the tokens `window` completes
 
     def __post_init__(self) -> None:
         check_schedule(self.schedule, self.flow)
@@ -188,31 +190,45 @@ class Token2WavStream:
         return torch.nn.functional.interpolate(mel, size=frames, mode="linear")
 
     def flow_mel(self, plan: ChunkPlan) -> Tensor:
-        """The flow's mel for `plan` alone; a final chunk with `final_chunk = "reference"` (or of a
-        non-streaming utterance) recomputes the whole utterance with full attention (the official last
-        call) and keeps its new frames, re-timed by `speed`."""
+        """The flow's mel for `plan` alone, in one call (`flow_mel_part` until it is not None)."""
+        mel = self.flow_mel_part(plan, euler_steps=None)
+        assert mel is not None
+        return mel
+
+    def flow_mel_part(self, plan: ChunkPlan, euler_steps: int | None) -> Tensor | None:
+        """The flow's mel for `plan`; a final chunk with `final_chunk = "reference"` (or a window of a
+        non-streaming utterance) is a full-attention call (the official non-stream token2wav) solved
+        `euler_steps` Euler steps per call (None: all): None until its last step, then its new frames,
+        re-timed by `speed`. A streaming chunk is always computed whole (it is bounded by the schedule)."""
         assert self.flow_state is not None
-        if not self.streaming:  # a window of a non-streaming segment: its own full-attention call
-            if self.reference_prompt is None:
-                raise ValueError("a speed change needs the voice's flow prompt (reference_prompt)")
-            prompt_tokens, prompt_feat, embedding = self.reference_prompt
-            tokens = torch.tensor([self.tokens[self.emitted_tokens : plan.end_tokens]], dtype=torch.long)
-            window = self.flow.infer(
-                tokens, prompt_tokens, prompt_feat, embedding, streaming=False, finalize=True
+        full_attention = not self.streaming or (plan.final and self.full_attention_final)
+        if not full_attention:
+            return self.flow.stream_step(plan.new_tokens, self.flow_state, finalize=plan.final)
+        if self.window is None or self.window_end_tokens != plan.end_tokens:
+            self.window = self._start_window(plan)
+            self.window_end_tokens = plan.end_tokens
+        mel = self.flow.advance_window(self.window, euler_steps)
+        if mel is None:
+            return None
+        self.window = None
+        self.flow_state.finished = plan.final
+        return self.retime(plan, mel if not self.streaming else mel[:, :, 2 * self.emitted_tokens :])
+
+    def _start_window(self, plan: ChunkPlan) -> WindowSolve:
+        """The full-attention call of `plan`: its window's tokens without streaming, else the whole
+        utterance (the reference's last call, of which the new frames are kept)."""
+        if self.reference_prompt is None:
+            raise ValueError(
+                "a speed change needs the voice's flow prompt (reference_prompt)"
+                if not self.streaming
+                else "final_chunk 'reference' needs the voice's flow prompt (reference_prompt)"
             )
-            self.flow_state.finished = plan.final
-            return self.retime(plan, window)
-        if plan.final and self.full_attention_final:
-            if self.reference_prompt is None:
-                raise ValueError("final_chunk 'reference' needs the voice's flow prompt (reference_prompt)")
-            prompt_tokens, prompt_feat, embedding = self.reference_prompt
-            tokens = torch.tensor([self.tokens], dtype=torch.long)
-            full = self.flow.infer(
-                tokens, prompt_tokens, prompt_feat, embedding, streaming=False, finalize=True
-            )
-            self.flow_state.finished = True
-            return self.retime(plan, full[:, :, 2 * self.emitted_tokens :])
-        return self.flow.stream_step(plan.new_tokens, self.flow_state, finalize=plan.final)
+        prompt_tokens, prompt_feat, embedding = self.reference_prompt
+        first = self.emitted_tokens if not self.streaming else 0
+        tokens = torch.tensor([self.tokens[first : plan.end_tokens]], dtype=torch.long)
+        return self.flow.start_window(
+            tokens, prompt_tokens, prompt_feat, embedding, streaming=False, finalize=True
+        )
 
     def complete(self, plan: ChunkPlan, mel: Tensor, flow_s: float = 0.0) -> Chunk:
         """Vocode the flow's mel for `plan` and advance the stream (after a batched flow step too)."""
@@ -239,6 +255,7 @@ class Token2WavStream:
         """Drop the flow and vocoder caches (cancel, failure or the end); the stream is spent."""
         self.flow_state = None
         self.hift_state = None
+        self.window = None
         self.tokens = []
         self.finished = True
 

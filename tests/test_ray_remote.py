@@ -375,7 +375,9 @@ async def test_http_front_end_location_and_503_while_the_engine_is_gone(cluster)
     """Runs last: it deletes the fake app. The call stays up; speak answers 503 + Retry-After."""
     from ray import serve
 
-    config = front_end(FAKE_APP, server={"public_url": "http://front-1.example:8080/"})
+    config = front_end(
+        FAKE_APP, server={"public_url": "http://front-1.example:8080/"}, ray={"retry_after_s": 7}
+    )
     client = TestClient(TestServer(create_app(config)))
     await client.start_server()
     peer = PeerClient()
@@ -401,12 +403,12 @@ async def test_http_front_end_location_and_503_while_the_engine_is_gone(cluster)
         resp = await client.post(f"/v1/calls/{call_id}/speak", json={"text": "During the outage."})
         assert resp.status == 503, await resp.text()
         assert (await resp.json())["error"]["code"] == "engine_unavailable"
-        assert resp.headers["Retry-After"] == "5"
+        assert resp.headers["Retry-After"] == "7"  # [ray] retry_after_s
         assert (await client.get(f"/v1/calls/{call_id}")).status == 200  # the call is still up
         resp = await client.get("/v1/voices")  # the page asks on every load: 503, not 500
         assert resp.status == 503, await resp.text()
         assert (await resp.json())["error"]["code"] == "engine_unavailable"
-        assert resp.headers["Retry-After"] == "5"
+        assert resp.headers["Retry-After"] == "7"  # [ray] retry_after_s
         ready = await client.get("/readyz")
         assert ready.status == 503
         reason = (await ready.json())["reason"]  # names the app and what to run, not Ray's internals

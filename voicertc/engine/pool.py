@@ -107,6 +107,10 @@ class EnginePool:
     def not_ready_reason(self) -> str:
         return next((reason for w in self.workers if (reason := w.not_ready_reason)), "")
 
+    @property
+    def retry_after_s(self) -> int:
+        return self.workers[0].retry_after_s
+
     def resolve_voice(self, voice: str | None) -> str:
         return self.workers[0].resolve_voice(voice)
 

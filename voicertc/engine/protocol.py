@@ -205,6 +205,11 @@ class Engine(Protocol):
         """Why `ready` is false, in one line ("" when it is true)."""
         ...
 
+    @property
+    def retry_after_s(self) -> int:
+        """What a 503 for not being ready tells the client to wait (`Retry-After`)."""
+        ...
+
     def resolve_voice(self, voice: str | None) -> str:
         """The voice id to use for `voice` (None/"" = default); UnknownVoiceError names a bad one."""
         ...

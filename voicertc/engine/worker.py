@@ -216,6 +216,11 @@ class EngineWorker:
             )
         return f"engine {self.name} has stopped"
 
+    @property
+    def retry_after_s(self) -> int:
+        """A local engine that is not ready is loading or stopped: 5 s, as EngineUnavailableError says."""
+        return 5
+
     def voices(self) -> list[str]:
         return self.backend.voices() if self._ready.is_set() and self.backend is not None else []
 

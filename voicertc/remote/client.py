@@ -242,6 +242,11 @@ class RemoteEngine:
         return "" if self.available else self._unavailable_reason
 
     @property
+    def retry_after_s(self) -> int:
+        """`[ray] retry_after_s`: about how long a lost cluster or driver takes to come back."""
+        return self.ray.retry_after_s
+
+    @property
     def open_count(self) -> int:
         with self._lock:
             return len(self._open)

@@ -132,7 +132,8 @@ class SpeechQueue:
         if not self.engine.running:
             raise EngineStoppedError("the engine is not running")
         if not self.engine.ready:
-            raise EngineUnavailableError(self.engine.not_ready_reason or "the engine is not ready")
+            reason = self.engine.not_ready_reason or "the engine is not ready"
+            raise EngineUnavailableError(reason, self.engine.retry_after_s)
 
     def check(self) -> None:
         """`check_engine`, and room in this call's queue and in the engine."""

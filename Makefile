@@ -38,9 +38,9 @@ serve: install
 # The static checks first (mypy on the package, ruff on everything): CI runs exactly this target.
 test: install-dev chromium coturn typecheck lint
 ifeq ($(strip $(ARGS)),)
-	$(PYTEST) -n 2 --dist loadscope $(PARALLEL_TESTS)
-	$(PYTEST) -n 2 --dist loadscope $(SERVER_TESTS)
-	$(PYTEST) $(SERIAL_TESTS)
+	$(PYTEST) -n 2 --dist loadscope --durations=10 $(PARALLEL_TESTS)
+	$(PYTEST) -n 2 --dist loadscope --durations=10 $(SERVER_TESTS)
+	$(PYTEST) --durations=20 $(SERIAL_TESTS)
 else
 	$(PYTEST) $(ARGS)
 endif

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from voicertc.engine.scheduler import FIRST_AUDIO_STEPS, pick_next, sink_heads
+from voicertc.engine.scheduler import AUDIO_STEPS, pick_next, sink_heads
 from voicertc.engine.utterance import Utterance
 
 
@@ -36,15 +36,24 @@ def test_first_audio_goes_before_well_fed_playback_oldest_first():
 
 def test_a_first_audio_that_takes_many_units_takes_turns_instead_of_going_first():
     slow = utt("slow", opened_s=0.0, started=False)  # e.g. a whole speed-changed segment
-    slow.steps = FIRST_AUDIO_STEPS
+    slow.steps = AUDIO_STEPS
     new = utt("new", opened_s=5.0, started=False)
     new.steps = 3
     assert pick_next([slow, new]).utterance_id == "new"
     fed = utt("fed", opened_s=1.0, started=True, queued_ms=2500)
     fed.steps = 40
     assert pick_next([slow, fed]).utterance_id == "fed"  # least served first among the turn-takers
-    slow.steps = FIRST_AUDIO_STEPS - 1
+    slow.steps = AUDIO_STEPS - 1
     assert pick_next([slow, new, fed]).utterance_id == "slow"  # until then: oldest first audio first
+
+
+def test_a_starving_utterance_long_without_audio_takes_turns_instead_of_going_first():
+    window = utt("window", opened_s=0.0, started=True, queued_ms=0)  # between whole windows
+    window.steps, window.steps_at_audio = 900, 900 - AUDIO_STEPS
+    new = utt("new", opened_s=5.0, started=False)
+    assert pick_next([window, new]).utterance_id == "new"
+    window.steps_at_audio += 1  # it made audio recently: its deadline counts
+    assert pick_next([window, new]).utterance_id == "window"
 
 
 def test_fed_utterances_take_turns_and_the_emptiest_starving_one_goes_first():

@@ -7,9 +7,10 @@ already has, finish, or make synthesis progress, and its sink has room (backpres
 Priorities, earliest deadline first: an utterance that is playing and has less than `STARVING_MS` of
 audio queued would underrun soon, so it goes first (least queued first); then utterances still waiting
 for their first audio (time to first audio is what a listener notices), oldest first; then the rest take
-turns, least served first. An utterance still without audio after `FIRST_AUDIO_STEPS` units (far more
-than any streaming first chunk needs: a speed-changed CosyVoice2 segment is synthesised whole) takes
-turns with the rest, so an expensive first audio does not hold back every call opened after it.
+turns, least served first. An utterance that has gone `AUDIO_STEPS` units without making audio (far
+more than any streaming chunk needs: a speed-changed CosyVoice2 segment is synthesised whole, in
+windows of up to 500 tokens) takes turns with the rest whatever its deadline: work that cannot bring
+audio soon does not hold back every call opened after it, and serving it first would not save it.
 
 Batches: the most urgent unit leads; every other unit with the same `batch_key` joins it, most urgent
 first, up to `max_batch` (all runnable LLM decodes in one forward; flow chunks that advance by the same
@@ -50,13 +51,16 @@ def is_runnable(utt: Utterance, backend: Backend, now_s: float) -> bool:
 
 
 STARVING_MS = 300.0
-FIRST_AUDIO_STEPS = 120  # a streaming CosyVoice2 first chunk: <= 52 tokens (25 + pad + lookahead)
+# A streaming CosyVoice2 chunk: <= 103 decodes (a 100-token hop + lookahead), its flow and vocoder units.
+AUDIO_STEPS = 160
 
 
 def urgency(utt: Utterance) -> tuple[int, float]:
     """Sort key, most urgent first (see the module docstring)."""
+    if utt.steps - utt.steps_at_audio >= AUDIO_STEPS:
+        return (2, float(utt.steps))
     if utt.first_audio_s is None:
-        return (1, utt.opened_s) if utt.steps < FIRST_AUDIO_STEPS else (2, float(utt.steps))
+        return (1, utt.opened_s)
     queued_ms = utt.sink.queued_ms
     return (0, queued_ms) if queued_ms < STARVING_MS else (2, float(utt.steps))
 

@@ -30,6 +30,7 @@ class Utterance(Delivery, Generic[S]):
     failure: Exception | None = None  # ends the utterance as Failed once its pending audio is written
     chunks: int = 0
     steps: int = 0  # times the scheduler served this utterance (fairness)
+    steps_at_audio: int = 0  # `steps` when its synthesis last made audio
     backend_state: S | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     options: SpeakOptions = DEFAULT_OPTIONS  # instruct / speed of the speak request

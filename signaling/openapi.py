@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from signaling.openapi_facts import (
+    SCHEMA_UNSPEAKABLE,
     EngineFacts,
     instruct_schema,
     query_voice_schema,
@@ -15,7 +16,6 @@ from signaling.openapi_net import net_schemas, with_net
 from signaling.openapi_speech import speech_paths, speech_schemas
 from signaling.openapi_voices import voice_paths, voice_schemas
 from voicertc.config import Config
-from voicertc.validate import UNSPEAKABLE_RANGES
 
 JSON = "application/json"
 
@@ -34,8 +34,7 @@ UNKNOWN = _error("No such call (hung up, timed out, never existed, or another to
 # and something besides whitespace (voicertc.validate.check_text; blank text is `bad_input`).
 # Lone surrogates are left out of the pattern: a surrogate range is not a portable regex (validators on
 # Rust's or ECMA's engine refuse the whole pattern, and then check nothing); the description names them.
-_SCHEMA_UNSPEAKABLE = UNSPEAKABLE_RANGES.replace(r"\ud800-\udfff", "")
-TEXT_PATTERN = f"^[^\\S{_SCHEMA_UNSPEAKABLE}]*[^\\s{_SCHEMA_UNSPEAKABLE}][^{_SCHEMA_UNSPEAKABLE}]*$"
+TEXT_PATTERN = f"^[^\\S{SCHEMA_UNSPEAKABLE}]*[^\\s{SCHEMA_UNSPEAKABLE}][^{SCHEMA_UNSPEAKABLE}]*$"
 # An SDP offer (RFC 8866) starts with its version line; what makes it usable (an audio m-line, a DTLS
 # fingerprint) JSON Schema cannot say, so the format names it (`sdp-offer`) and the 400 lists the causes.
 SDP_OFFER = {
@@ -475,7 +474,7 @@ def openapi_spec(config: Config, facts: EngineFacts | None = None) -> dict[str, 
         "components": {
             "schemas": {
                 **_schemas(config, facts),
-                **voice_schemas(),
+                **voice_schemas(config),
                 **net_schemas(),
                 **speech_schemas(config, TEXT_PATTERN, facts),
             },

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+from signaling.openapi_facts import SCHEMA_UNSPEAKABLE
+from signaling.voice_routes import FIELD_MAX_CHARS
 from voicertc.config import Config
+from voicertc.voice_ids import RESERVED
 
 JSON = "application/json"
 
@@ -15,6 +19,33 @@ def _error(description: str) -> dict[str, Any]:
 
 def _voice(description: str) -> dict[str, Any]:
     return {"description": description, "content": {JSON: {"schema": {"$ref": "#/components/schemas/Voice"}}}}
+
+
+# A text field of the registration: no unspeakable character (voicertc.validate.check_text); it is
+# stripped, and a blank one counts as absent.
+FIELD_PATTERN = f"^[^{SCHEMA_UNSPEAKABLE}]*$"
+_BLANK = f"[^\\S{SCHEMA_UNSPEAKABLE}]*"  # whitespace the field may carry around its value (stripped)
+# voicertc.voice_ids.VOICE_ID spelled for any regex engine (no inline flags: each reserved device name's
+# letters as [xX] classes), between the whitespace `strip` removes; a blank id counts as absent.
+_RESERVED = re.sub("[a-z]", lambda m: f"[{m.group()}{m.group().upper()}]", RESERVED)
+ID_FIELD_PATTERN = f"^{_BLANK}(?:(?!{_RESERVED}(?:\\.|{_BLANK}$))[A-Za-z0-9][A-Za-z0-9_.-]{{0,63}})?{_BLANK}$"
+CLIP = {
+    "type": "string",
+    "description": "The prompt clip: an audio file FFmpeg decodes (wav, flac, ogg/opus, mp3, webm) holding "
+    "voice_min_s-voice_max_s seconds (limits; CosyVoice2 at least 1 s) of sound, not silence; in JSON the "
+    "file as base64 (a `data:` URL too). JSON Schema cannot check a clip: one that breaks this is a 400 "
+    "naming the cause (`audio_missing` for none or an empty one, `audio_undecodable`, `audio_too_short`, "
+    "`audio_too_long`, `audio_silent`).",
+}
+TRANSCRIPT = (
+    "What the clip says (blank: none, a cross-lingual voice). Also refused (`bad_input`): one longer than "
+    "the clip can say, over 50 characters per second of clip (100 are always allowed)."
+)
+ID = (
+    "1-64 of `A-Za-z0-9_.-`, starting with a letter or digit, not a device name (con, nul, com1, ...); "
+    "blank: one made from `name`."
+)
+NAME = "A display name (blank: the id)."
 
 
 VOICE_ID = {"name": "voice_id", "in": "path", "required": True, "schema": {"type": "string"}}
@@ -75,12 +106,16 @@ def voice_paths(config: Config) -> dict[str, Any]:
                     "201": _voice("Registered. `Location: /v1/voices/{id}`."),
                     "400": _error(
                         "Bad clip: `audio_too_short`, `audio_too_long`, `audio_silent`, `audio_undecodable`; "
-                        "`audio_missing`, `bad_base64`, `bad_json`, a bad id (`bad_input`); "
-                        "`not_supported` when the engine cannot register voices (Piper, fake)."
+                        "`audio_missing`, `bad_base64`, `bad_json`, `bad_multipart`; a bad id, a transcript "
+                        "over limits.max_text_chars or too long for the clip (`bad_input`), an unspeakable "
+                        "character in a field (`bad_text`); "
+                        "`not_supported` when the engine cannot register voices (Piper; the fake unless "
+                        "`[fake] voice_book`)."
                     ),
                     "409": _error("A voice with that id exists (`voice_exists`)."),
                     "413": _error(
-                        "The audio file is larger than limits.voice_max_bytes (`audio_too_large`)."
+                        "The audio file is larger than limits.voice_max_bytes (`audio_too_large`), or a "
+                        f"multipart text field is over {FIELD_MAX_CHARS} characters (`field_too_large`)."
                     ),
                     "429": _error(
                         f"`too_many_voices`: {limits.max_voices} voices are registered (limits.max_voices), "
@@ -107,7 +142,10 @@ def voice_paths(config: Config) -> dict[str, Any]:
                         "A registered voice with no owner: only an admin token deletes it (`forbidden`)."
                     ),
                     "404": UNKNOWN_VOICE,
-                    "409": _error("A spk2info.pt voice cannot be deleted (`voice_read_only`)."),
+                    "409": _error(
+                        "A spk2info.pt voice, or a built-in voice of an engine that registers voices, cannot "
+                        "be deleted (`voice_read_only`)."
+                    ),
                 },
             },
         },
@@ -126,8 +164,11 @@ def voice_paths(config: Config) -> dict[str, Any]:
     }
 
 
-def voice_schemas() -> dict[str, Any]:
+def voice_schemas(config: Config) -> dict[str, Any]:
     string = {"type": "string"}
+    form_text = {"type": "string", "pattern": FIELD_PATTERN, "maxLength": FIELD_MAX_CHARS}
+    json_text = {"type": ["string", "null"], "pattern": FIELD_PATTERN}
+    transcript_chars = config.limits.max_text_chars
     return {
         "Voice": {
             "type": "object",
@@ -142,24 +183,29 @@ def voice_schemas() -> dict[str, Any]:
                 "created_at": {"type": ["integer", "null"]},
             },
         },
+        # Multipart text parts over FIELD_MAX_CHARS are refused (413) before any other check.
         "VoiceForm": {
             "type": "object",
             "required": ["audio"],
             "properties": {
-                "audio": {"type": "string", "format": "binary"},
-                "transcript": string,
-                "id": string,
-                "name": string,
+                "audio": {**CLIP, "format": "binary", "contentMediaType": "application/octet-stream"},
+                "transcript": {
+                    **form_text,
+                    "maxLength": min(transcript_chars, FIELD_MAX_CHARS),
+                    "description": TRANSCRIPT,
+                },
+                "id": {**form_text, "pattern": ID_FIELD_PATTERN, "description": ID},
+                "name": {**form_text, "description": NAME},
             },
         },  # fmt: skip
         "VoiceJson": {
             "type": "object",
             "required": ["audio"],
             "properties": {
-                "audio": {"type": "string", "contentEncoding": "base64"},
-                "transcript": string,
-                "id": string,
-                "name": string,
+                "audio": {**CLIP, "format": "byte", "contentEncoding": "base64", "minLength": 1},
+                "transcript": {**json_text, "maxLength": transcript_chars, "description": TRANSCRIPT},
+                "id": {**json_text, "pattern": ID_FIELD_PATTERN, "description": ID},
+                "name": {**json_text, "description": NAME},
             },
         },  # fmt: skip
     }

@@ -120,12 +120,19 @@ async def _read_json(request: web.Request, limit: int) -> dict[str, Any]:
     return body
 
 
-def _optional_str(fields: dict[str, Any], key: str) -> str | None:
+def _optional_str(fields: dict[str, Any], key: str, max_chars: int | None = None) -> str | None:
+    """A text field, stripped (blank: None); `max_chars` counts the field as sent, as the document does."""
     value = fields.get(key)
     if value is None:
         return None
     if not isinstance(value, str):
         raise ApiError(400, "bad_request", f'"{key}" must be a string')
+    if max_chars is not None and len(value) > max_chars:
+        raise ApiError(
+            400,
+            "bad_input",
+            f'"{key}" has {len(value)} characters; the limit is {max_chars} (limits.max_text_chars)',
+        )
     try:
         check_text(value, f'"{key}"')
     except BadTextError as exc:
@@ -175,7 +182,7 @@ async def _register(request: web.Request) -> VoiceInfo:
     try:
         info = await admin.register(
             audio,
-            _optional_str(fields, "transcript"),
+            _optional_str(fields, "transcript", admin.max_transcript_chars),
             voice_id=voice_id,
             name=_optional_str(fields, "name"),
         )

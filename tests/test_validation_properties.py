@@ -15,9 +15,12 @@ from hypothesis import strategies as st
 
 from signaling.errors import ApiError
 from signaling.openapi import TEXT_PATTERN
+from signaling.openapi_voices import FIELD_PATTERN, ID_FIELD_PATTERN
 from signaling.routes import _json_body, _ndjson_deltas, _NdjsonError
 from signaling.sdp import check_offer, parse_sdpfrag
+from voicertc.errors import InputError
 from voicertc.validate import MAX_JSON_DEPTH, BadJsonError, BadTextError, check_text, parse_json
+from voicertc.voice_ids import check_voice_id
 
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ANY_TEXT = st.text(st.characters(codec=None, exclude_categories=()), max_size=60)
@@ -206,3 +209,45 @@ def test_parse_sdpfrag_only_ever_raises_a_400(lines):
         parse_sdpfrag("\r\n".join(lines))
     except ApiError as exc:
         assert exc.status in (400, 413)
+
+
+# --- voice registration fields -------------------------------------------------------------------
+
+VOICE_IDS = st.one_of(
+    ANY_TEXT,
+    st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,70}", fullmatch=True),
+    st.sampled_from(["con", "NUL", "Com1", "lpt9.json", "aux.", "console", "nul-1", "com10"]),
+)
+PADDING = st.text(st.sampled_from(" \t\n\r\x0b\x0c\x1c\x85\xa0\u2028\u3000"), max_size=3)
+
+
+def _server_takes_voice_id(text: str) -> bool:
+    """What POST /v1/voices does with an `id` field: check_text, strip, blank = none, else check_voice_id."""
+    try:
+        check_text(text)
+        if text.strip():
+            check_voice_id(text.strip())
+    except InputError:
+        return False
+    return True
+
+
+@FAST
+@given(PADDING, VOICE_IDS, PADDING)
+def test_the_voice_id_pattern_accepts_what_the_server_accepts(before, voice_id, after):
+    text = before + voice_id + after
+    assert bool(re.search(ID_FIELD_PATTERN, text)) == _server_takes_voice_id(text)
+
+
+@FAST
+@given(ANY_TEXT)
+def test_the_voice_field_pattern_accepts_what_the_server_accepts(text):
+    try:
+        check_text(text)
+        server_accepts = True
+    except BadTextError:
+        server_accepts = False
+    if LONE_SURROGATE.search(text):
+        assert not server_accepts
+    else:
+        assert bool(re.search(FIELD_PATTERN, text)) == server_accepts

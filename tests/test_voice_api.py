@@ -203,3 +203,46 @@ async def test_openapi_documents_the_voice_api_and_readyz():
         assert {"201", "400", "409", "413", "415"} <= set(post["responses"])
         assert "audio_too_short" in post["responses"]["400"]["description"]
         assert "/readyz" in spec["paths"] and "Voice" in spec["components"]["schemas"]
+
+
+async def test_fake_voice_book_registers_speaks_and_deletes_like_cosyvoice2():
+    """`[fake] voice_book`: the whole voice API on the fake engine, with CosyVoice2's checks and codes."""
+    config = config_from_dict({"engine": {"backend": "fake"}, "fake": {"voice_book": True, "ttfa_ms": 0}})
+    async with serve(config) as client:
+        resp = await client.post(
+            "/v1/voices", data=form(clip("wav", seconds=2.0), " Hello world. ", id="ann")
+        )
+        assert resp.status == 201, await resp.text()
+        ann = await resp.json()
+        assert resp.headers["Location"] == "/v1/voices/ann"
+        assert (ann["kind"], ann["transcript"], ann["source"], ann["deletable"]) == (
+            "zero_shot", "Hello world.", "memory", True,
+        )  # fmt: skip
+        assert ann["prompt_s"] == pytest.approx(2.0, abs=0.05) and ann["created_at"] > 0
+        body = {"audio": base64.b64encode(clip("flac")).decode(), "name": "Quiet One"}
+        quiet = await (await client.post("/v1/voices", json=body)).json()
+        assert (quiet["id"], quiet["name"], quiet["kind"]) == ("quiet-one", "Quiet One", "cross_lingual")
+        listed = await (await client.get("/v1/voices")).json()
+        assert [v["id"] for v in listed["voices"]] == ["tone", "silence", "ann", "quiet-one"]
+
+        speech = await client.post("/v1/audio/speech", json={"input": "Hi there.", "voice": "ann"})
+        assert speech.status == 200 and len(await speech.read()) > 0
+
+        await expect_error(
+            await client.post("/v1/voices", data=form(clip("wav"), id="ann")), 409, "voice_exists"
+        )
+        await expect_error(
+            await client.post("/v1/voices", data=form(clip("wav"), id="tone")), 409, "voice_exists"
+        )
+        await expect_error(
+            await client.post("/v1/voices", data=form(clip("wav"), id="con")), 400, "bad_input"
+        )
+        wordy = await client.post("/v1/voices", data=form(clip("wav", seconds=1.5), "word " * 30))
+        assert "per second" in (await expect_error(wordy, 400, "bad_input"))["error"]["message"]
+        await expect_error(await client.post("/v1/voices", data=form(b"nope")), 400, "audio_undecodable")
+
+        await expect_error(await client.delete("/v1/voices/tone"), 409, "voice_read_only")
+        assert (await client.delete("/v1/voices/ann")).status == 200
+        await expect_error(await client.delete("/v1/voices/ann"), 404, "unknown_voice")
+        gone = await client.post("/v1/audio/speech", json={"input": "Hi there.", "voice": "ann"})
+        assert gone.status in (400, 404) and (await gone.json())["error"]["code"] == "unknown_voice"

@@ -200,6 +200,9 @@ class FakeConfig:
     chunk_ms: int = 200
     tone_hz: float = 440.0
     fail_after_chunks: int = -1
+    voice_book: bool = (
+        False  # register / delete voices in memory (off: built-in voices only, 400 not_supported)
+    )
 
     def validate(self) -> None:
         _check(self.ttfa_ms >= 0, "fake.ttfa_ms", "must be >= 0")

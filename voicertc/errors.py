@@ -34,6 +34,18 @@ class InputError(VoiceRTCError):
     code = "bad_input"
 
 
+class VoiceExistsError(InputError):
+    """A registration names a voice id that is taken (HTTP 409)."""
+
+    code = "voice_exists"
+
+
+class VoiceReadOnlyError(InputError):
+    """A voice that came with the engine or its model (spk2info.pt) cannot be deleted (HTTP 409)."""
+
+    code = "voice_read_only"
+
+
 class UtteranceTooLongError(VoiceRTCError):
     """An utterance's audio passed `[limits] max_utterance_s`; what was synthesized up to it is kept."""
 

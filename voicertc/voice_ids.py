@@ -12,6 +12,8 @@ the same files.
 from __future__ import annotations
 
 import re
+import uuid
+from collections.abc import Collection
 from pathlib import Path
 
 from voicertc.errors import InputError
@@ -28,6 +30,15 @@ def check_voice_id(voice_id: str) -> str:
             "digit, and not a device name (con, nul, com1, ...)"
         )
     return voice_id
+
+
+def free_voice_id(name: str, taken: Collection[str]) -> str:
+    """An id for a voice registered without one: from its name (`voice` for a blank one), with a random
+    suffix when that is taken or not a valid id."""
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", name.strip().lower()).strip("-._")[:48] or "voice"
+    if stem not in taken and VOICE_ID.match(stem):
+        return stem
+    return f"{stem}-{uuid.uuid4().hex[:6]}"
 
 
 def same_file_name(a: str, b: str) -> bool:

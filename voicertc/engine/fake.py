@@ -1,7 +1,8 @@
 """FakeEngine: the real engine worker with a backend that makes a tone (or silence) on a timetable.
 
 For transport, signaling and browser tests without models. Knobs (`[fake]` in config.toml): time to
-first audio, real-time factor, chunk length, tone frequency, fail after N chunks. The timetable is
+first audio, real-time factor, chunk length, tone frequency, fail after N chunks, and a voice book
+(voices registered in memory, `fake_voices.py`). The timetable is
 kept by `wake_at`, so the worker waits on its queue with a deadline instead of sleeping.
 """
 
@@ -14,6 +15,7 @@ import numpy as np
 
 from voicertc.config import FakeConfig
 from voicertc.engine.backend import SynthStep
+from voicertc.engine.fake_voices import FakeVoiceBook
 from voicertc.engine.text_chunks import has_speech, next_text_chunk
 from voicertc.engine.utterance import Utterance
 from voicertc.engine.voice_book import BackendVoiceBook
@@ -44,17 +46,23 @@ class _FakeState:
         return state
 
 
+BUILTIN_VOICES = ["tone", "silence"]
+
+
 class FakeBackend:
     name = "fake"
     features: frozenset[str] = frozenset()  # no instruct, no speed
-    voice_book: BackendVoiceBook | None = None  # built-in voices only
 
     def __init__(self, config: FakeConfig | None = None) -> None:
         self.config = config or FakeConfig()
         self.chunk_samples = SAMPLE_RATE_HZ * self.config.chunk_ms // 1000
+        # `[fake] voice_book`: registered voices in memory (spoken with the tone); else built-in only
+        self.book = FakeVoiceBook(BUILTIN_VOICES) if self.config.voice_book else None
+        self.voice_book: BackendVoiceBook | None = self.book
 
     def voices(self) -> list[str]:
-        return ["tone", "silence"]
+        """Any thread (a snapshot)."""
+        return self.book.ids() if self.book is not None else list(BUILTIN_VOICES)
 
     def begin(self, utt: Utterance) -> None:
         utt.backend_state = _FakeState()

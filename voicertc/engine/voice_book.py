@@ -1,22 +1,27 @@
 """The voice-book capability: list, register and delete voices, as engine commands.
 
-A backend that keeps voices of its own declares `voice_book` (an object with the three methods of
-`BackendVoiceBook`, usually the backend itself); one that does not (Piper, the fake) declares None and
-still lists its built-in voices. The functions here are the commands the worker runs on its engine
-thread (`Engine.list_voices` / `register_voice` / `delete_voice`), so a registered voice is usable the
-moment the future resolves.
+A backend that keeps voices of its own declares `voice_book` (an object with the methods of
+`BackendVoiceBook`, usually the backend itself); one that does not (Piper, the fake unless `[fake]
+voice_book`) declares None and still lists its built-in voices. The functions here are the commands
+the worker runs on its engine thread (`Engine.list_voices` / `register_voice` / `delete_voice`), so a
+registered voice is usable the moment the future resolves. `check_prompt` is what every voice book
+checks of a clip before any work.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from voicertc.errors import NotSupportedError, UnknownVoiceError
+from voicertc.errors import InputError, NotSupportedError, UnknownVoiceError
+from voicertc.voice_ids import check_voice_id
 
 if TYPE_CHECKING:
     from voicertc.audio.decode import Clip
 
 VoiceInfo = dict[str, Any]
+
+MIN_PROMPT_S, MAX_PROMPT_S = 1.0, 30.0  # the speech tokenizer's window (30 s)
+MAX_TRANSCRIPT_CHARS_PER_S = 50  # a prompt transcript longer than this per second of clip is refused
 
 
 class BackendVoiceBook(Protocol):
@@ -38,6 +43,26 @@ class BackendVoiceBook(Protocol):
         ...
 
     def delete_voice(self, voice_id: str) -> None: ...
+
+
+def check_prompt(clip: Clip, transcript: str | None, voice_id: str | None) -> str:
+    """The stripped transcript of a prompt clip a voice book may register; InputError before any work
+    for a bad id, a clip outside MIN_PROMPT_S..MAX_PROMPT_S, or a transcript longer than the clip can
+    say (MAX_TRANSCRIPT_CHARS_PER_S, at least 100 characters)."""
+    if voice_id is not None:
+        check_voice_id(voice_id)
+    if not MIN_PROMPT_S <= clip.seconds <= MAX_PROMPT_S:
+        raise InputError(
+            f"prompt audio is {clip.seconds:.2f} s; it must be {MIN_PROMPT_S:g}-{MAX_PROMPT_S:g} s"
+        )
+    text = (transcript or "").strip()
+    limit = max(100, int(MAX_TRANSCRIPT_CHARS_PER_S * clip.seconds))
+    if len(text) > limit:
+        raise InputError(
+            f"the prompt transcript has {len(text)} characters for a {clip.seconds:.1f} s clip; "
+            f"at most {limit} ({MAX_TRANSCRIPT_CHARS_PER_S} per second)"
+        )
+    return text
 
 
 class HasVoices(Protocol):

@@ -42,15 +42,15 @@ from voicertc.backends.cosyvoice.voice.features import (
 from voicertc.backends.cosyvoice.voice.text import text_normalize
 from voicertc.backends.cosyvoice.voice.text_prep import TextPrep
 from voicertc.backends.cosyvoice.voice.voice_caches import VoiceCaches
-from voicertc.errors import InputError, UnknownVoiceError
-from voicertc.voice_ids import VOICE_ID, check_voice_id, voice_id_of, voice_path
+from voicertc.engine.voice_book import MAX_PROMPT_S, MIN_PROMPT_S, check_prompt
+from voicertc.errors import InputError, UnknownVoiceError, VoiceExistsError, VoiceReadOnlyError
+from voicertc.voice_ids import check_voice_id, free_voice_id, voice_id_of, voice_path
 
 if TYPE_CHECKING:
     from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model
 
 logger = logging.getLogger(__name__)
 
-MIN_PROMPT_S, MAX_PROMPT_S = 1.0, 30.0
 FORMAT_VERSION = 1
 VoiceKind = Literal["sft", "zero_shot", "cross_lingual"]
 VoiceSource = Literal["spk2info", "store", "memory"]
@@ -254,9 +254,6 @@ def read_prompt_wav(path: str | Path, limits: ClipLimits | None = None) -> Clip:
         raise AudioError(exc.code, f"{path}: {exc}", exc.status) from exc
 
 
-MAX_TRANSCRIPT_CHARS_PER_S = 50  # a prompt transcript longer than this per second of clip is refused
-
-
 @dataclass(frozen=True)
 class VoiceFeatures:
     """What a clip gives a voice before any model state (computed off the engine thread): prompt speech
@@ -271,18 +268,6 @@ class VoiceFeatures:
     text_ids: tuple[int, ...] | None
     text_pending: bool = False
     name: str = ""
-
-
-def check_transcript(clip: Clip, transcript: str | None) -> str:
-    """The stripped transcript; InputError before any work when it is longer than the clip can say."""
-    text = (transcript or "").strip()
-    limit = max(100, int(MAX_TRANSCRIPT_CHARS_PER_S * clip.seconds))
-    if len(text) > limit:
-        raise InputError(
-            f"the prompt transcript has {len(text)} characters for a {clip.seconds:.1f} s clip; "
-            f"at most {limit} ({MAX_TRANSCRIPT_CHARS_PER_S} per second)"
-        )
-    return text
 
 
 def voice_features(
@@ -300,13 +285,7 @@ def voice_features(
     trim: both token lists and the mel are cut to min(mel frames // 2, tokens) tokens. The transcript
     is normalised and tokenised by `prep` (a process pool); without one it is left for `voice_install`
     on the engine thread (the tokenizer is not shared across threads)."""
-    if voice_id is not None:
-        check_voice_id(voice_id)
-    if not MIN_PROMPT_S <= clip.seconds <= MAX_PROMPT_S:
-        raise InputError(
-            f"prompt audio is {clip.seconds:.2f} s; it must be {MIN_PROMPT_S:g}-{MAX_PROMPT_S:g} s"
-        )
-    text = check_transcript(clip, transcript)
+    text = check_prompt(clip, transcript, voice_id)
     wav, rate_hz = clip.samples, clip.sample_rate_hz
     wav_16k = resample_wav(wav, rate_hz, TOKENIZER_SAMPLE_RATE_HZ)[None]
     wav_24k = resample_wav(wav, rate_hz, PROMPT_SAMPLE_RATE_HZ)[None]
@@ -509,7 +488,7 @@ class VoiceBook:
     ) -> VoiceFeatures:
         """The clip's features for `install` (any thread: the model's feature extractors only)."""
         if voice_id is None:
-            voice_id = self._free_id(name)
+            voice_id = free_voice_id(name, set(self.ids()))
         elif voice_id in self.ids():
             raise VoiceExistsError(f"voice {voice_id!r} already exists")
         return voice_features(self.model, clip, transcript, voice_id, name=name, prep=prep)
@@ -519,13 +498,6 @@ class VoiceBook:
         if features.voice_id is not None and features.voice_id in self.ids():  # registered meanwhile
             raise VoiceExistsError(f"voice {features.voice_id!r} already exists")
         return self.add(voice_install(self.model, features))
-
-    def _free_id(self, name: str) -> str:
-        stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", name.strip().lower()).strip("-._")[:48] or "voice"
-        taken = set(self.ids())
-        if stem not in taken and VOICE_ID.match(stem):
-            return stem
-        return f"{stem}-{uuid.uuid4().hex[:6]}"
 
     def register_wav(self, path: str | Path, transcript: str | None, voice_id: str | None = None) -> Voice:
         if voice_id is not None and voice_id in self.ids():
@@ -544,11 +516,3 @@ class VoiceBook:
             del self._voices[voice_id]
         freed = voice.caches.nbytes()  # returned once no utterance of the voice is left
         logger.info("voice %s deleted (%.1f MB of prompt caches)", voice_id, freed / 1e6)
-
-
-class VoiceExistsError(InputError):
-    code = "voice_exists"
-
-
-class VoiceReadOnlyError(InputError):
-    code = "voice_read_only"

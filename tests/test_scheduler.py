@@ -54,6 +54,8 @@ def test_a_starving_utterance_long_without_audio_takes_turns_instead_of_going_fi
     assert pick_next([window, new]).utterance_id == "new"
     window.steps_at_audio += 1  # it made audio recently: its deadline counts
     assert pick_next([window, new]).utterance_id == "window"
+    window.longest_audio_gap_steps = AUDIO_STEPS  # ... unless its audio has come in bursts before
+    assert pick_next([window, new]).utterance_id == "new"
 
 
 def test_fed_utterances_take_turns_and_the_emptiest_starving_one_goes_first():

@@ -7,10 +7,10 @@ already has, finish, or make synthesis progress, and its sink has room (backpres
 Priorities, earliest deadline first: an utterance that is playing and has less than `STARVING_MS` of
 audio queued would underrun soon, so it goes first (least queued first); then utterances still waiting
 for their first audio (time to first audio is what a listener notices), oldest first; then the rest take
-turns, least served first. An utterance that has gone `AUDIO_STEPS` units without making audio (far
-more than any streaming chunk needs: a speed-changed CosyVoice2 segment is synthesised whole, in
-windows of up to 500 tokens) takes turns with the rest whatever its deadline: work that cannot bring
-audio soon does not hold back every call opened after it, and serving it first would not save it.
+turns, least served first. An utterance that goes (or once went) `AUDIO_STEPS` units without making
+audio is not streaming (far more than any streaming chunk needs: a speed-changed CosyVoice2 segment is
+synthesised whole, in windows of up to 500 tokens): it takes turns with the rest whatever its
+deadline, since serving it first cannot keep it fed and would starve the calls that can be.
 
 Batches: the most urgent unit leads; every other unit with the same `batch_key` joins it, most urgent
 first, up to `max_batch` (all runnable LLM decodes in one forward; flow chunks that advance by the same
@@ -57,7 +57,7 @@ AUDIO_STEPS = 160
 
 def urgency(utt: Utterance) -> tuple[int, float]:
     """Sort key, most urgent first (see the module docstring)."""
-    if utt.steps - utt.steps_at_audio >= AUDIO_STEPS:
+    if max(utt.steps - utt.steps_at_audio, utt.longest_audio_gap_steps) >= AUDIO_STEPS:
         return (2, float(utt.steps))
     if utt.first_audio_s is None:
         return (1, utt.opened_s)

@@ -31,6 +31,7 @@ class Utterance(Delivery, Generic[S]):
     chunks: int = 0
     steps: int = 0  # times the scheduler served this utterance (fairness)
     steps_at_audio: int = 0  # `steps` when its synthesis last made audio
+    longest_audio_gap_steps: int = 0  # the most units it ever went between two pieces of audio
     backend_state: S | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     options: SpeakOptions = DEFAULT_OPTIONS  # instruct / speed of the speak request

@@ -598,6 +598,7 @@ class EngineWorker:
                 for start in range(0, len(pcm), piece):
                     utt.hold(pcm[start : start + piece], result.sample_rate_hz)
             utt.chunks += 1
+            utt.longest_audio_gap_steps = max(utt.longest_audio_gap_steps, utt.steps - utt.steps_at_audio)
             utt.steps_at_audio = utt.steps
         if result.done or utt.failure is not None:
             utt.synthesis_done = True

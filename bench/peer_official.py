@@ -1,6 +1,6 @@
-"""The official CosyVoice2 token2wav streaming loop and ours, side by side on the same model directory.
+"""The official CosyVoice2/3 token2wav streaming loop and ours, side by side on the same model directory.
 
-    .venv/bin/python -m bench.peer_official --model-dir .models/cv2_full [--device cuda] \\
+    .venv/bin/python -m bench.peer_official --model-dir .models/cv2_full [--version 2|3] [--device cuda] \\
         [--dtype float32|bfloat16|float16] [--tokens 250 750] [--runs 2] [--peer ../shared/peer] \\
         [--site $PEER_SITE] [--out bench/results/peer_official]
 
@@ -8,16 +8,21 @@ Token2wav only: the speech tokens are given (no LLM), a 3 s prompt (75 tokens, 1
 embedding) and 750 speech tokens from the peer tree's seeded `make_inputs.py` (ids folded into the
 flow's vocabulary for the tiny directory); `--tokens 250` is 10 s of speech, 750 is 30 s.
 
-* The official side is *run*, never copied: `official_t2w.py` of the peer tree (`../shared/peer`: the
-  official code at ace7c47, its README) in a subprocess with
-  `PYTHONPATH=<site>:<peer>/stubs:<peer>/cosyvoice-ace7c47`; `<site>` (`--site`, default `$PEER_SITE`) is
-  a scratch `pip install --target` folder holding what the official code needs beyond the project's
-  packages (diffusers, hyperpyyaml, ruamel.yaml<0.19, omegaconf, antlr4 4.9.3, conformer, einops, scipy,
-  lightning, ...; see the peer README). It times `CosyVoice2Model.token2wav` per chunk after one untimed
-  250-token utterance; `FP16=1` (its fp16 path) for `--dtype float16` and `bfloat16` (it has no bf16).
+* The official side is *run*, never copied, in a subprocess with
+  `PYTHONPATH=<site>:<peer>/stubs:<peer>/cosyvoice-ace7c47` (`../shared/peer`: the official code at
+  ace7c47, its README): `--version 2` (the directory's `cosyvoice2.yaml`) the peer tree's
+  `official_t2w.py` (`CosyVoice2Model`), `--version 3` (`cosyvoice3.yaml`) our
+  `bench/peer_official_v3_driver.py` (`CosyVoice3Model`: the same `tts(stream=True)` calls, HiFT re-run
+  over the whole mel per call; same arguments, JSON and dump). `<site>` (`--site`, default `$PEER_SITE`;
+  several folders joined by `:`) holds what the official code needs beyond the project's packages
+  (diffusers, hyperpyyaml, ruamel.yaml<0.19, omegaconf, antlr4 4.9.3, conformer, einops, scipy,
+  lightning, ...; see the peer README; v3's DiT also x-transformers 2.11.24, einx 0.4.3, frozendict, e.g.
+  `--site /work/.peer-site:/tmp/xt-site`). It times `token2wav` per chunk after one untimed 250-token
+  utterance; `FP16=1` (its fp16 path) for `--dtype float16` and `bfloat16` (it has no bf16).
   `--device cpu` hides the GPUs from it (it picks CUDA whenever it sees one).
-* Our side: `load_v2(dir, device, dtype)`, `voice_from_features(...)`, then per utterance
-  `token2wav_stream(model, voice, ChunkSchedule(), generator=...)` fed with `push` exactly the tokens
+* Our side: `load(dir, device, dtype)` (v2 or v3 by the directory's yaml), `voice_from_features(...)`,
+  then per utterance `token2wav_stream(model, voice, ChunkSchedule(), generator=...)` (v3:
+  `Token2WavStreamV3`, incremental flow and HiFT) fed with `push` exactly the tokens
   the next chunk needs (the same exponential schedule: first hop 25 + prompt pad, then 50, 100, 100 ...)
   and `finish()`; each chunk timed from the push to its PCM on the host. One untimed 250-token
   utterance first, as the official side.
@@ -27,9 +32,9 @@ flow's vocabulary for the tiny directory); `--tokens 250` is 10 s of speech, 750
   process; official: a second process, same seed).
 
 Prints a table per token count (per chunk and the total: p50/p95 over `--runs`, the speedup of the
-p50s, the mel differences) and writes `<out>/peer_official_<device>_<dtype>.json`, the official JSON and
-logs, and both sides' dumps in `compare.py`'s format (`official_<n>.pt`, `ours_<n>.pt`:
-`{"pcm", "mels"}`). `--version 3` is not supported yet (the peer tree has the CosyVoice2 loop only).
+p50s, the mel differences) and writes `<out>/peer_official_<device>_<dtype>.json` (`..._v3.json` for
+`--version 3`), the official JSON and logs, and both sides' dumps in `compare.py`'s format
+(`official_<n>.pt`, `ours_<n>.pt`: `{"pcm", "mels"}`).
 """
 
 from __future__ import annotations
@@ -51,12 +56,13 @@ from torch import Tensor
 
 from bench.golden import REPO
 from bench.report import machine, summary, table
-from voicertc.backends.cosyvoice.load import load_v2
+from voicertc.backends.cosyvoice.load import load
 from voicertc.backends.cosyvoice.load.files import DTYPES, model_version
 from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model
 from voicertc.backends.cosyvoice.serve.streams import token2wav_stream
 from voicertc.backends.cosyvoice.voice.voices import Voice, voice_from_features
 from voicertc.engine import ChunkSchedule
+from voicertc.errors import ModelDirError
 
 logger = logging.getLogger("bench.peer_official")
 
@@ -65,6 +71,7 @@ DEFAULT_OUT = REPO / "bench" / "results" / "peer_official"
 OFFICIAL_SEED = 1234  # official_t2w.py seeds torch's global RNG with it before each utterance
 WARMUP_TOKENS = 250  # both sides: one untimed utterance of this many tokens first (official_t2w.py's)
 OFFICIAL_VOCAB = 6561
+V3_DRIVER = REPO / "bench" / "peer_official_v3_driver.py"  # official_t2w.py's counterpart for CosyVoice3
 
 
 @dataclass
@@ -104,6 +111,11 @@ def make_inputs(peer: Path, out: Path, flow_vocab: int, max_tokens: int) -> Path
 # ---- the official side (a subprocess of the peer tree) ------------------------------------------------
 
 
+def official_script(peer: Path, version: int) -> Path:
+    """The official loop's driver: the peer tree's (CosyVoice2) or ours (CosyVoice3, peer code run)."""
+    return peer / "official_t2w.py" if version == 2 else V3_DRIVER
+
+
 def official_env(peer: Path, site: str, device: str, dtype: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
@@ -120,10 +132,11 @@ def official_env(peer: Path, site: str, device: str, dtype: str) -> dict[str, st
 def run_official(
     args: argparse.Namespace, inputs: Path, n_tokens: int, runs: int, tag: str
 ) -> tuple[dict[str, object], dict[str, Tensor | list[Tensor]]]:
-    """`official_t2w.py` once: (its JSON, its dump of the last run {"pcm", "mels"})."""
+    """The official driver once: (its JSON, its dump of the last run {"pcm", "mels"})."""
     out: Path = args.out
     json_path, dump, log = out / f"{tag}.json", out / f"{tag}.pt", out / f"{tag}.log"
-    command = [sys.executable, str(args.peer / "official_t2w.py"), str(args.model_dir), str(inputs),
+    script = official_script(args.peer, args.version)
+    command = [sys.executable, str(script), str(args.model_dir), str(inputs),
                str(n_tokens), str(runs), str(json_path), str(dump)]  # fmt: skip
     env = official_env(args.peer, args.site, args.device, args.dtype)
     logger.info("official %s: %d tokens x %d runs (FP16=%s)", tag, n_tokens, runs, env["FP16"])
@@ -133,7 +146,7 @@ def run_official(
                               timeout=args.official_timeout_s, check=False)  # fmt: skip
     if proc.returncode != 0:
         tail = log.read_text()[-3000:]
-        raise SystemExit(f"official_t2w.py failed (exit {proc.returncode}); its log {log}:\n{tail}")
+        raise SystemExit(f"{script.name} failed (exit {proc.returncode}); its log {log}:\n{tail}")
     logger.info("official %s done in %.1f s", tag, time.perf_counter() - started)
     return json.loads(json_path.read_text()), torch.load(dump)
 
@@ -298,7 +311,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--tokens", type=int, nargs="+", default=[250, 750], help="speech tokens per utterance")
     add("--runs", type=int, default=2, help="timed utterances per side and token count")
     add("--peer", type=Path, default=DEFAULT_PEER, help="the peer tree (its README)")
-    add("--site", default=os.environ.get("PEER_SITE", ""), help="the official code's extra packages")
+    add("--site", default=os.environ.get("PEER_SITE", ""),
+        help="the official code's extra packages (folders joined by ':')")  # fmt: skip
     add("--out", type=Path, default=DEFAULT_OUT)
     add("--threads", type=int, default=2, help="ours (official_t2w.py sets 2 itself)")
     add("--seed", type=int, default=OFFICIAL_SEED, help="our HiFT excitation seed")
@@ -310,27 +324,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--cuda-graphs", action="store_true",
         help="ours: flow and HiFT as captured static-shape steps ([engine] cuda_graphs)")  # fmt: skip
     args = parser.parse_args(argv)
-    if args.version == 3:
-        parser.error("--version 3 is not supported yet (the peer tree holds the CosyVoice2 loop only)")
     if not (args.peer / "official_t2w.py").is_file():
         parser.error(f"--peer {args.peer}: no official_t2w.py there (the peer tree, ../shared/peer)")
+    try:
+        version = model_version(args.model_dir)
+    except ModelDirError as error:
+        parser.error(str(error))
+    if version != args.version:
+        parser.error(f"--model-dir {args.model_dir} is not a CosyVoice{args.version} directory (--version)")
     if not args.site:
         logger.warning("no --site / $PEER_SITE: the official code's extra packages must be importable as is")
     if args.runs < 1 or min(args.tokens) < 1:
         parser.error("--runs and --tokens must be >= 1")
     args.model_dir, args.peer, args.out = args.model_dir.resolve(), args.peer.resolve(), args.out.resolve()
-    args.site = str(Path(args.site).resolve()) if args.site else ""
+    args.site = os.pathsep.join(str(Path(p).resolve()) for p in args.site.split(os.pathsep) if p)
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
-    if model_version(args.model_dir) != 2:
-        raise SystemExit(f"{args.model_dir} is not a CosyVoice2 directory (--version 3 is not supported yet)")
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
-    model = load_v2(args.model_dir, args.device, DTYPES[args.dtype], check_frontend=False)
+    model = load(args.model_dir, args.device, DTYPES[args.dtype], check_frontend=False)
     if args.cuda_graphs:  # the path `[engine] cuda_graphs = true` serves (one utterance: rows 2)
         from voicertc.backends.cosyvoice.accel.captured import CudaCapture, run_eagerly
         from voicertc.backends.cosyvoice.serve.captured_stages import install_captured_steps
@@ -370,10 +386,12 @@ def main(argv: list[str] | None = None) -> None:
             print(summary_line(record))
     logger.info("ours done in %.1f s", time.perf_counter() - started)
     first_off = official[args.tokens[0]][0]
-    out = args.out / f"peer_official_{args.device.split(':')[0]}_{args.dtype}.json"
+    suffix = "_v3" if args.version == 3 else ""
+    out = args.out / f"peer_official_{args.device.split(':')[0]}_{args.dtype}{suffix}.json"
     out.write_text(json.dumps({
         "machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
-        "official": {"tree": str(args.peer), "fp16": args.dtype != "float32", "torch": first_off.get("torch"),
+        "official": {"tree": str(args.peer), "driver": str(official_script(args.peer, args.version)),
+                     "fp16": args.dtype != "float32", "torch": first_off.get("torch"),
                      "threads": first_off.get("threads")},
         "ours": {"torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": args.dtype,
                  "final_chunk": args.final_chunk,

@@ -44,3 +44,20 @@ def test_special_token_ids_match_the_reference(tokenizer, cv3_golden_dir):
 def test_zero_shot_prompt_text_gets_the_endofprompt_layout():
     assert with_endofprompt("hello") == "You are a helpful assistant.<|endofprompt|>hello"
     assert with_endofprompt("Speak slowly.<|endofprompt|>hello") == "Speak slowly.<|endofprompt|>hello"
+
+
+def test_full_size_v3_directory_frontend_files(tmp_path, golden_dir, cv3_golden_dir):
+    """`make_full_model_dir --version 3`'s frontend part: v3's Qwen2 config, the real vocabulary (the v3
+    special ids of the reference) and the v3 speech tokenizer's file name."""
+    from bench.make_full_model_dir import write_blanken
+
+    write_blanken(tmp_path, version=3)
+    config = json.loads((tmp_path / "CosyVoice-BlankEN" / "config.json").read_text())
+    assert config == json.loads((golden_dir / "cv3_manifest_info.json").read_text())["qwen2_config"]
+    tokenizer = TextTokenizerV3(tmp_path / "CosyVoice-BlankEN")
+    ref = json.loads((cv3_golden_dir / "tokenizer_v3_special_tokens.json").read_text(encoding="utf-8"))
+    assert tokenizer.hf.convert_tokens_to_ids(list(V3_SPECIAL_TOKENS)) == [
+        i for _, i in ref["v3_additional_special_tokens"]
+    ]
+    assert (tmp_path / "speech_tokenizer_v3.onnx").is_file() and (tmp_path / "campplus.onnx").is_file()
+    assert not (tmp_path / "speech_tokenizer_v2.onnx").exists()

@@ -187,6 +187,8 @@ def voice_schemas(config: Config) -> dict[str, Any]:
         "VoiceForm": {
             "type": "object",
             "required": ["audio"],
+            # other parts are ignored, but a part's name travels in a header: no control characters
+            "propertyNames": {"pattern": "^[^\\x00-\\x08\\x0a-\\x1f\\x7f]*$"},
             "properties": {
                 "audio": {**CLIP, "format": "binary", "contentMediaType": "application/octet-stream"},
                 "transcript": {

@@ -182,8 +182,7 @@ async def create_speech(request: web.Request) -> web.StreamResponse:
             raise open_error(exc) from None
     except ApiError as exc:
         return openai_error(exc, getattr(exc, "param", None))
-    stream.push(speech.text)
-    stream.end_input()
+    stream.push(speech.text, end=True)
     return await _respond(request, speech, stream)
 
 

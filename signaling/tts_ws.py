@@ -308,11 +308,11 @@ class TtsSession:
                 self._post_fail(utt, refused.code, refused.message)
                 continue
             self._open = utt
-            for text in utt.pending:
-                utt.stream.push(text)
-            utt.pending.clear()
-            if utt.input_ended:
+            if utt.pending:  # what came while queued, as one text (whole if its input ended)
+                utt.stream.push("".join(utt.pending), utt.input_ended)
+            elif utt.input_ended:
                 utt.stream.end_input()
+            utt.pending.clear()
             utt.opened.set()
             task = self._loop.create_task(self._pump_after(utt))
             self._tasks.add(task)

@@ -299,8 +299,10 @@ class RecordingEngine:
         self.calls.append(("open", utterance_id))
         return utterance_id
 
-    def push_text(self, utterance_id, text):
+    def push_text(self, utterance_id, text, end=False):
         self.calls.append(("push", text))
+        if end:
+            self.calls.append(("end", utterance_id))
 
     def end_input(self, utterance_id):
         self.calls.append(("end", utterance_id))

@@ -238,12 +238,13 @@ class SpeechStream:
         self.opened = True
         return self.utterance_id
 
-    def push(self, text: str) -> None:
+    def push(self, text: str, end: bool = False) -> None:
+        """Append text; `end=True`: it is the last (a whole text reaches the engine as one command)."""
         if self.cancelled or self.outcome is not None:
             return
         if self.first_text_s is None and text.strip():
             self.first_text_s = self._loop.time()
-        self.engine.push_text(self.utterance_id, text)
+        self.engine.push_text(self.utterance_id, text, end)
 
     def end_input(self) -> None:
         if not self.cancelled and self.outcome is None:

@@ -146,9 +146,9 @@ class EnginePool:
                 self._counted.discard(uid)
             raise
 
-    def push_text(self, utterance_id: str, text: str) -> None:
+    def push_text(self, utterance_id: str, text: str, end: bool = False) -> None:
         if (worker := self._route(utterance_id)) is not None:
-            worker.push_text(utterance_id, text)
+            worker.push_text(utterance_id, text, end)
 
     def end_input(self, utterance_id: str) -> None:
         if (worker := self._route(utterance_id)) is not None:
@@ -188,8 +188,7 @@ class EnginePool:
 
     def say(self, voice: str | None, sink: AudioSink, on_event: EventCallback, text: str) -> str:
         uid = self.open_utterance(voice, sink, on_event)
-        self.push_text(uid, text)
-        self.end_input(uid)
+        self.push_text(uid, text, end=True)
         return uid
 
     # ----------------------------------------------------------------------------------- internals

@@ -96,6 +96,7 @@ class OpenUtterance:
 class PushText:
     utterance_id: str
     text: str
+    end: bool = False  # the last text: applied with it in one command (a whole text is seen whole)
 
 
 @dataclass(frozen=True)
@@ -269,8 +270,10 @@ class Engine(Protocol):
         (instruct / speed) is passed only when set, so an engine without the parameter still works."""
         ...
 
-    def push_text(self, utterance_id: str, text: str) -> None:
-        """Append text (a whole text, or one delta of an LLM stream)."""
+    def push_text(self, utterance_id: str, text: str, end: bool = False) -> None:
+        """Append text (a whole text, or one delta of an LLM stream). `end=True`: no more text follows
+        (as `end_input`, in the same command): a text known whole must be pushed so, never as a push
+        and a separate end, or the engine may start it as a stream of deltas between the two."""
         ...
 
     def end_input(self, utterance_id: str) -> None:
@@ -282,5 +285,5 @@ class Engine(Protocol):
         ...
 
     def say(self, voice: str | None, sink: AudioSink, on_event: EventCallback, text: str) -> str:
-        """open_utterance + push_text + end_input."""
+        """open_utterance + push_text(end=True)."""
         ...

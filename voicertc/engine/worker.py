@@ -259,8 +259,8 @@ class EngineWorker:
             )
         return uid
 
-    def push_text(self, utterance_id: str, text: str) -> None:
-        self._queue.put(PushText(utterance_id, text))
+    def push_text(self, utterance_id: str, text: str, end: bool = False) -> None:
+        self._queue.put(PushText(utterance_id, text, end))
 
     def end_input(self, utterance_id: str) -> None:
         self._queue.put(EndInput(utterance_id))
@@ -347,8 +347,7 @@ class EngineWorker:
 
     def say(self, voice: str | None, sink: AudioSink, on_event: EventCallback, text: str) -> str:
         uid = self.open_utterance(voice, sink, on_event)
-        self.push_text(uid, text)
-        self.end_input(uid)
+        self.push_text(uid, text, end=True)
         return uid
 
     # --- the worker thread -----------------------------------------------------------------------
@@ -467,10 +466,10 @@ class EngineWorker:
             return  # already finished (e.g. cancelled by an interrupt that cleared its sink)
         if isinstance(command, PushText):
             self._push_text(utt, command.text)
+            if command.end and self._live(utt):  # not failed by the push (too long)
+                self._end_input(utt)
         elif isinstance(command, EndInput):
-            utt.input_ended = True
-            if utt.first_text_s is None:
-                self._fail(utt, InputError("empty text: nothing to speak"))
+            self._end_input(utt)
         elif isinstance(command, Cancel):
             self._finish(utt, Cancelled(utt.utterance_id))
 
@@ -502,6 +501,11 @@ class EngineWorker:
             utt.backend_state = self._planner.begin(utt)
         except Exception as exc:  # noqa: BLE001 - reported as the utterance's event
             self._fail(utt, exc)
+
+    def _end_input(self, utt: Utterance) -> None:
+        utt.input_ended = True
+        if utt.first_text_s is None:
+            self._fail(utt, InputError("empty text: nothing to speak"))
 
     def _push_text(self, utt: Utterance, text: str) -> None:
         if utt.input_ended:

@@ -33,7 +33,8 @@ class InProcessUtterance:
     def ttfa_ms(self) -> float | None:
         return self.stream.ttfa_ms if self.stream is not None else None
 
-    async def push(self, text: str) -> None:
+    async def push(self, text: str, end: bool = False) -> None:
+        """Append text; `end=True`: it is the last (as `flush`, in the same engine command)."""
         if not text or self.flushed or self.error is not None:
             return
         try:
@@ -49,12 +50,14 @@ class InProcessUtterance:
             return
         if self.stream is None:
             self.stream = self._client.open_stream()
-        self.stream.push(text)
+        self.flushed = end
+        self.stream.push(text, end)
 
     async def say(self, text: str) -> None:
-        """The whole text at once (pushed with its end in the same tick)."""
-        await self.push(text)
-        await self.flush()
+        """The whole text at once: pushed with its end as one command, so the engine speaks it whole."""
+        await self.push(text, end=True)
+        if not self.flushed:  # nothing pushed (empty text, or it failed): end it all the same
+            await self.flush()
 
     async def flush(self) -> None:
         self.flushed = True

@@ -355,8 +355,8 @@ class RemoteEngine:
         self._post(self._begin, utt)
         return uid
 
-    def push_text(self, utterance_id: str, text: str) -> None:
-        self._post(self._push, utterance_id, text)
+    def push_text(self, utterance_id: str, text: str, end: bool = False) -> None:
+        self._post(self._push, utterance_id, text, end)
 
     def end_input(self, utterance_id: str) -> None:
         self._post(self._end, utterance_id)
@@ -368,8 +368,7 @@ class RemoteEngine:
 
     def say(self, voice: str | None, sink: AudioSink, on_event: EventCallback, text: str) -> str:
         uid = self.open_utterance(voice, sink, on_event)
-        self.push_text(uid, text)
-        self.end_input(uid)
+        self.push_text(uid, text, end=True)
         return uid
 
     def report(self, utterance_id: str, timeout_s: float = 10.0) -> dict[str, Any] | None:
@@ -563,7 +562,7 @@ class RemoteEngine:
         utt.sink.set_space_listener(self._space_freed)
         utt.task = asyncio.get_running_loop().create_task(self._run(utt))
 
-    def _push(self, utterance_id: str, text: str) -> None:
+    def _push(self, utterance_id: str, text: str, end: bool = False) -> None:
         utt = self._utts.get(utterance_id)
         if utt is None or utt.finished or utt.input_ended:
             return
@@ -573,6 +572,8 @@ class RemoteEngine:
             return
         utt.note_text(text, self.clock())
         utt.outbox.append(text)
+        if end:  # the text and its end leave in one message (`_control`): the replica sees it whole
+            self._end(utterance_id)
         utt.wake.set()
 
     def _end(self, utterance_id: str) -> None:

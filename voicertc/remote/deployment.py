@@ -254,9 +254,9 @@ class EngineReplica:
         finished = False
         try:
             yield ("open", self._header())
-            if text:
-                self.engine.push_text(utterance_id, text)
-            if end:
+            if text:  # with its end in one command: a whole text is spoken whole
+                self.engine.push_text(utterance_id, text, end)
+            elif end:
                 self.engine.end_input(utterance_id)
             while not finished:
                 batch = [await sink.queue.get()]
@@ -302,8 +302,8 @@ class EngineReplica:
         if sink is None:
             return False
         if text:
-            self.engine.push_text(utterance_id, text)
-        if end:
+            self.engine.push_text(utterance_id, text, end)
+        elif end:
             self.engine.end_input(utterance_id)
         if played_ms is not None:
             sink.credit(played_ms)

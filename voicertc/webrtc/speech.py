@@ -157,8 +157,7 @@ class SpeechQueue:
         self._queue.append(handle)
         self.emit({"type": "speech.queued", "utterance_id": handle.utterance_id})
         if isinstance(text, str):
-            self.push(handle, text)
-            self.end_input(handle)
+            self.push(handle, text, end=True)
         else:
             handle.feeder = self._loop.create_task(self._feed(handle, text))
         self._pump()
@@ -203,7 +202,8 @@ class SpeechQueue:
         finally:
             await _close_stream(stream)
 
-    def push(self, handle: SpeechHandle, delta: str) -> None:
+    def push(self, handle: SpeechHandle, delta: str, end: bool = False) -> None:
+        """Append a delta; `end=True`: it is the last (a whole text goes to the engine as one command)."""
         if handle.finished or handle.input_ended:
             return
         if not isinstance(delta, str):
@@ -213,8 +213,9 @@ class SpeechQueue:
         if handle.text_chars > self.max_text_chars:
             self.fail(handle, "text_too_long", f"text too long: more than {self.max_text_chars} characters")
             return
+        handle.input_ended = end
         if handle is self._active:
-            self.engine.push_text(handle.utterance_id, delta)
+            self.engine.push_text(handle.utterance_id, delta, end)
         else:
             handle.pending_text.append(delta)
 
@@ -247,11 +248,12 @@ class SpeechQueue:
             self._active = handle
             handle.state = "synthesizing"
             handle.active_s = self._loop.time()
-            for delta in handle.pending_text:
-                self.engine.push_text(handle.utterance_id, delta)
-            handle.pending_text.clear()
-            if handle.input_ended:
+            if handle.pending_text:  # what came while queued, as one text (whole if its input ended)
+                text = "".join(handle.pending_text)
+                self.engine.push_text(handle.utterance_id, text, handle.input_ended)
+            elif handle.input_ended:
                 self.engine.end_input(handle.utterance_id)
+            handle.pending_text.clear()
 
     def _release_active(self, handle: SpeechHandle) -> None:
         if self._active is handle:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
+import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from bench.make_full_model_dir import QWEN_BASE_SPECIALS, write_tiny_tokenizer
 from voicertc.backends.cosyvoice.voice.text import (
@@ -163,3 +167,76 @@ def test_sentence_stream_concatenation_equals_input():
             out += stream.push(text[i : i + step])
         out += stream.flush()
         assert out == ["One.", "Two?", "Three!", "四。", "五；", "six"]
+
+
+def test_word_stream_hands_on_complete_plain_words_with_their_space():
+    stream = SentenceStream(words=True)
+    assert stream.push("Sure") == []  # may still grow
+    assert stream.push(", I can") == ["Sure, I"]  # "can" may still grow
+    assert stream.push(" help") == [" can"]
+    assert stream.push(" you. It costs $5") == [" help you.", " It costs"]
+    assert stream.push(" million") == []  # "$5" waits: a number is normalised with what follows it
+    assert stream.push(" a") == [" $5 million"]
+    assert stream.push(" year ") == [" a year"]
+    assert stream.push("ok") == []
+    assert stream.flush() == [" ok"]
+
+
+def test_word_stream_keeps_numbers_and_abbreviated_sentences_whole():
+    stream = SentenceStream(words=True)
+    assert stream.push("Pay 3.") == ["Pay"]
+    assert stream.push("5 dollars") == []  # "3.5" was not cut at "."
+    assert stream.push(" now!") == [" 3.5 dollars"]
+    assert stream.push("  Bye") == [" now!"]
+    assert stream.flush() == [" Bye"]
+
+
+WORDS = [
+    "Hello",
+    "there,",
+    "world!",
+    "3.5",
+    "$5",
+    "Dr.",
+    "it's",
+    "co-op",
+    "ok?",
+    "你好。",
+    "vingt-et-un",
+    "12:30",
+]
+
+
+@given(
+    st.lists(st.sampled_from(WORDS), min_size=1, max_size=12),
+    st.lists(st.integers(min_value=1, max_value=7), min_size=1, max_size=40),
+)
+def test_word_stream_pieces_rebuild_the_text_whatever_the_delta_cuts(words, cuts):
+    text = " ".join(words)
+    stream = SentenceStream(words=True)
+    out, i = [], 0
+    for step in cuts:
+        out += stream.push(text[i : i + step])
+        i += step
+    out += stream.push(text[i:])
+    out += stream.flush()
+    assert "".join(out) == text
+    ends = set(itertools.accumulate(len(p) for p in out))
+    for end in ends - {len(text)}:  # every cut is at a space, after a plain word or a sentence end
+        assert text[end] == " "
+        last = text[:end].split()[-1]
+        assert re.fullmatch(r"[^\W\d_]+(?:['’\-][^\W\d_]+)*[,:]?", last) or last[-1] in ".!?;。", last
+
+
+def test_a_streamed_piece_after_a_space_keeps_one_and_its_tokens_are_as_written():
+    from voicertc.backends.cosyvoice.voice.text_prep import prepare_text
+
+    def encode(text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    assert prepare_text("  can help", encode, split=False).pieces[0][0] == " can help"
+    assert prepare_text(" can help", encode, split=False).pieces[0][1] == tuple(encode(" can help"))
+    assert prepare_text("Sure, I", encode, split=False).pieces[0][0] == "Sure, I"
+    assert prepare_text(" 你好", encode, split=False).pieces[0][0] == "你好"  # Chinese joins without spaces
+    whole = prepare_text(" Hello there.", encode, split=True).pieces
+    assert [p for p, _ in whole] == ["Hello there."]  # a whole text is normalised as the official does

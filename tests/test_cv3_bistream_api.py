@@ -120,3 +120,23 @@ async def test_whole_text_on_the_same_socket_is_unistream(model_dir, encode, tmp
         await ws.send_json({"type": "text.delta", "text": text, "flush": True})
         _, audio = await until(ws, "speech.done")
     assert len(audio) == 2 * len(encode(text)) * BYTES_PER_TOKEN
+
+
+async def test_speech_starts_mid_sentence_from_the_words_completed_so_far(model_dir, encode, tmp_path):
+    """Words leave for the LLM as they complete (`SentenceStream(words=True)`): no sentence end needed."""
+    pieces = ["This is the first sentence", " of many.", " Bye."]  # as the stream cuts the deltas below
+    spoken = sum(len(encode(p)) for p in pieces)
+    groups = len(encode(pieces[0])) // 5  # of 5 text tokens, each saying 15 speech tokens
+    assert groups >= 1
+    async with serve(model_dir, tmp_path) as client, client.ws_connect("/v1/tts/stream") as ws:
+        await receive(ws)
+        await ws.send_json({"type": "text.delta", "text": "This is the first sentence of"})
+        _, before = await until(ws, "speech.started")  # "of" may still grow: the rest is in
+        while not before:  # audio while the sentence is still open (the chunks its groups allow)
+            event, data = await receive(ws)
+            assert event is None or event["type"] == "speech.mark", event
+            before += data
+        await ws.send_json({"type": "text.delta", "text": " many. Bye.", "flush": True})
+        events, after = await until(ws, "speech.done")
+    assert 0 < len(before) <= 15 * groups * BYTES_PER_TOKEN
+    assert len(before + after) == 15 * (spoken // 5) * BYTES_PER_TOKEN, spoken

@@ -381,9 +381,10 @@ class CosyVoice2Backend:
             )  # fmt: skip
             st.t2w = self._open_t2w(st)
         for text in texts:
-            st.pending.waiting.extend(
-                (c, st.mode == "whole") for c in prep_chunks(text, self.options.prep_chars)
-            )
+            chunks = prep_chunks(text, self.options.prep_chars)
+            if chunks and st.mode == "deltas" and text[:1].isspace():
+                chunks[0] = " " + chunks[0]  # a piece after a space keeps it: its tokens are as written
+            st.pending.waiting.extend((c, st.mode == "whole") for c in chunks)
         self._pump_text(utt, st)
         if st.mode == "deltas" and utt.input_ended and not st.text_ended and not st.pending.busy:
             assert st.bistream is not None

@@ -5,10 +5,11 @@ Runs on the engine thread. Text policy:
   request): the official frontend normalises and splits it (`split_paragraph`), and every piece is its
   own LLM call (unistream, prefilled from the voice's cached [sos, prompt text] prefix) with its own
   token2wav stream, as the reference does;
-* **deltas** — text is still arriving (an agent's LLM output): `SentenceStream` cuts it into
-  sentences, each sentence is normalised, tokenised and pushed into one bistream LLM session (5 text :
-  15 speech interleaving), whose speech tokens feed one token2wav stream; so speech starts after the
-  first sentence, before the text stream ends.
+* **deltas** — text is still arriving (an agent's LLM output): `SentenceStream(words=True)` hands on
+  whole sentences and, inside a sentence, the words completed so far; each piece is normalised,
+  tokenised and pushed into one bistream LLM session (5 text : 15 speech interleaving), whose speech
+  tokens feed one token2wav stream; so speech starts once 5 text tokens are in, mid-sentence, before
+  the text stream ends.
 
 `plan` reads the state and the utterance's text and names the next unit (`voicertc.engine.work`); it
 changes nothing. Text is taken from the utterance only by the `Frontend` unit.
@@ -116,7 +117,7 @@ class Cv2State:
     mode: TextMode | None = None
     segments: deque[list[int]] | None = None  # whole text: token ids of the pieces not yet spoken
     segment_texts: deque[str] | None = None  # whole text: each segment's (normalised) text, for heard_text
-    splitter: SentenceStream = field(default_factory=SentenceStream)
+    splitter: SentenceStream = field(default_factory=lambda: SentenceStream(words=True))
     text_ended: bool = False  # deltas: the bistream session has been told
     llm: LlmSession | StreamedSession | None = None  # StreamedSession: `[engine] llm` decodes elsewhere
     llm_seed: int = 0  # a streamed segment's sampling seed (llm_seed + segment number)

@@ -273,20 +273,41 @@ class TextFrontend:
 # ---- incremental splitting ----------------------------------------------------------------------------
 
 
+# A word that may leave for the LLM before its sentence ends: letters only (any script), joined by
+# apostrophes or hyphens, at most a comma or colon after it. A number, a symbol or an abbreviation keeps
+# the text after it until another such word completes: it is normalised with what follows it ("$5
+# million", "3 pm").
+_PLAIN_WORD = re.compile(r"[^\W\d_]+(?:['’\-][^\W\d_]+)*[,:]?")
+_SPACE_RUN = re.compile(r"\s+")
+
+
 class SentenceStream:
-    """Cuts text deltas into sentences for text-in streaming; owned by one utterance (one thread).
+    """Cuts text deltas into the pieces text-in streaming can use now; owned by one utterance.
 
     A sentence is emitted once the character after its terminator has arrived (so a quote can be glued
     and '3.5' is not cut at '.'); `flush()` returns the rest when the text stream ends. Pieces that are
     only punctuation are dropped.
+
+    With `words=True` (the bistream LLM, which takes text 5 tokens at a time) the complete words of an
+    unfinished sentence leave too: everything up to the last whitespace that follows a plain word
+    (`_PLAIN_WORD`). Pieces then keep one leading space where the text had whitespace before them, so
+    their tokens are those of the text as written ("Sure, I" + " can" tokenise as "Sure, I can").
     """
 
-    def __init__(self, terminators: Sequence[str] = STREAM_TERMINATORS) -> None:
+    def __init__(self, terminators: Sequence[str] = STREAM_TERMINATORS, words: bool = False) -> None:
         self.terminators = tuple(terminators)
+        self.words = words
         self.buffer = ""
+        self._emitted = False  # a piece has left: a later one keeps its leading space (words mode)
 
     def push(self, delta: str) -> list[str]:
         self.buffer += delta
+        pieces = self._cut_sentences()
+        if self.words:
+            pieces += self._cut_words()
+        return self._clean(pieces)
+
+    def _cut_sentences(self) -> list[str]:
         out: list[str] = []
         start = 0
         i = 0
@@ -300,8 +321,28 @@ class SentenceStream:
                 continue
             i += 1
         self.buffer = self.buffer[start:]
-        return [s for s in (p.strip() for p in out) if s and not is_only_punctuation(s)]
+        return out
+
+    def _cut_words(self) -> list[str]:
+        """The buffer up to its last whitespace run that follows a plain word (that word is complete)."""
+        for space in reversed(list(_SPACE_RUN.finditer(self.buffer))):
+            words = self.buffer[: space.start()].split()
+            if words and _PLAIN_WORD.fullmatch(words[-1]):
+                piece, self.buffer = self.buffer[: space.start()], self.buffer[space.start() :]
+                return [piece]
+        return []
+
+    def _clean(self, pieces: list[str]) -> list[str]:
+        out: list[str] = []
+        for piece in pieces:
+            body = piece.strip()
+            if not body or is_only_punctuation(body):
+                continue
+            lead = " " if self.words and self._emitted and piece[:1].isspace() else ""
+            out.append(lead + body)
+            self._emitted = True
+        return out
 
     def flush(self) -> list[str]:
-        rest, self.buffer = self.buffer.strip(), ""
-        return [rest] if rest and not is_only_punctuation(rest) else []
+        rest, self.buffer = self.buffer, ""
+        return self._clean([rest])

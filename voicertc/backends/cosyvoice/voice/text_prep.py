@@ -59,6 +59,8 @@ def prepare_text(text: str, encode: Callable[[str], Sequence[int]], split: bool)
         pieces = text_normalize(text, encode, split=split)
     except Exception:  # noqa: BLE001 - wetext asserts on some inputs: speak the raw text instead
         pieces, fell_back = [text.strip()], True
+    if not split and text[:1].isspace() and pieces and pieces[0].lstrip()[:1].isascii():
+        pieces = [" " + pieces[0].lstrip(), *pieces[1:]]  # a streamed piece after a space keeps one
     encoded = tuple((p, tuple(ids)) for p in pieces if (ids := encode(p)))
     return PreparedText(encoded, fell_back, time.process_time() - started, os.getpid())
 

@@ -35,6 +35,7 @@ from voicertc.errors import InputError, VoiceRTCError
 from voicertc.listen.bargein import BargeInDecision
 from voicertc.listen.listener import CallListener
 from voicertc.validate import BadJsonError, SpeakRequest, SpeakRules, parse_json
+from voicertc.webrtc import audio_level, opus_send
 from voicertc.webrtc.loopback import loopback_only_sdp
 from voicertc.webrtc.sctp_limits import limit_inbound_messages
 from voicertc.webrtc.speech import ClientEvent, SpeechHandle, SpeechQueue, speak_rules
@@ -67,6 +68,8 @@ class Call:
         self.voice_check: Callable[[str], None] | None = None  # raises UnknownVoiceError (the owner's voices)
         self.loop = asyncio.get_running_loop()
         self.created_s = self.loop.time()
+        audio_level.install()  # the sender's per-frame RTP audio level without a Python sample loop
+        opus_send.install()  # the track's frames go to the Opus codec without aiortc's resampler
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=ice_servers(config)))
         self.ring = PcmRing(high_water_ms=config.engine.max_queued_ms, margin_ms=RING_MARGIN_MS)
         self.sink = RingSink(self.ring, trim_leading_ms=config.webrtc.trim_leading_silence_ms)

@@ -49,8 +49,7 @@ def _run(backend: CosyVoice2Backend, jobs: list[tuple[str, str, str]], default_v
         for uid, voice, text in jobs:
             sinks[uid] = RecordingSink()
             engine.open_utterance(voice, sinks[uid], log, utterance_id=uid)
-            engine.push_text(uid, text)
-            engine.end_input(uid)
+            engine.push_text(uid, text, end=True)
         log.wait_terminal([uid for uid, _, _ in jobs], timeout_s=300)
     finally:
         engine.stop()
@@ -205,8 +204,7 @@ def test_first_audio_arrives_before_the_text_stream_ends(model, golden_dir):
             engine.push_text(uid, word + " ")
         assert first.wait(120), "no audio before the end of the text stream"
         assert backend._active[uid].backend_state.mode == "deltas"
-        engine.push_text(uid, "then it ends.")
-        engine.end_input(uid)
+        engine.push_text(uid, "then it ends.", end=True)
         log.wait_terminal([uid], timeout_s=300)
     finally:
         engine.stop()

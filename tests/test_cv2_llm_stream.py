@@ -56,8 +56,7 @@ def _say(backend: CosyVoice2Backend, texts: dict[str, str], cancel_after_first: 
         for uid, text in texts.items():
             sinks[uid] = RecordingSink()
             engine.open_utterance(GOLDEN_VOICE, sinks[uid], log, utterance_id=uid)
-            engine.push_text(uid, text)
-            engine.end_input(uid)
+            engine.push_text(uid, text, end=True)
         if cancel_after_first:
             deadline = time.monotonic() + 120
             while not any(isinstance(e, FirstAudio) for e in log.of(cancel_after_first)):

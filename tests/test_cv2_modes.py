@@ -127,8 +127,7 @@ def test_the_engine_prefills_the_mode_input(model, voices, golden_dir, monkeypat
         log = EventLog()
         text = "Hi [laughter] there."
         uid = engine.open_utterance(voice, RecordingSink(), log, options=SpeakOptions(instruct=instruct))
-        engine.push_text(uid, text)
-        engine.end_input(uid)
+        engine.push_text(uid, text, end=True)
         log.wait_terminal([uid], 120)
         assert isinstance(log.of(uid)[-1], Done), log.of(uid)
     finally:

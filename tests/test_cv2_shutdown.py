@@ -47,11 +47,9 @@ def test_stop_ends_the_engine_thread_within_its_timeout_whatever_it_was_doing(
     pool_children = {p.pid for p in multiprocessing.active_children()} - before
     log = EventLog()
     slow = engine.open_utterance(GOLDEN_VOICE, RecordingSink(), log, options=SpeakOptions(speed=0.9))
-    engine.push_text(slow, "This long utterance is spoken slowly, in many bounded windows. " * 40)
-    engine.end_input(slow)
+    engine.push_text(slow, "This long utterance is spoken slowly, in many bounded windows. " * 40, end=True)
     digits = engine.open_utterance(GOLDEN_VOICE, RecordingSink(), log)
-    engine.push_text(digits, "我有" + "1234567890" * 400)
-    engine.end_input(digits)
+    engine.push_text(digits, "我有" + "1234567890" * 400, end=True)
     rate = 16000
     t = np.arange(8 * rate) / rate
     clip = Clip((0.3 * np.sin(2 * np.pi * 170 * t)).astype(np.float32), rate)

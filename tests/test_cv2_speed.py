@@ -56,8 +56,7 @@ def _audio_ms(model, golden_dir, speed: float) -> float:
     try:
         log = EventLog()
         uid = engine.open_utterance(GOLDEN_VOICE, RecordingSink(), log, "same-id", SpeakOptions(speed=speed))
-        engine.push_text(uid, "Hello there, this is a test.")
-        engine.end_input(uid)
+        engine.push_text(uid, "Hello there, this is a test.", end=True)
         log.wait_terminal([uid], 120)
         done = log.of(uid)[-1]
         assert isinstance(done, Done), done
@@ -114,8 +113,9 @@ def test_a_cancel_lands_between_speed_windows_and_frees_the_utterance(model, gol
     try:
         log = EventLog()
         uid = engine.open_utterance(GOLDEN_VOICE, RecordingSink(), log, "u-cancel", SpeakOptions(speed=0.8))
-        engine.push_text(uid, "A long sentence to say slowly, one window at a time, until it is cut. " * 3)
-        engine.end_input(uid)
+        engine.push_text(
+            uid, "A long sentence to say slowly, one window at a time, until it is cut. " * 3, end=True
+        )
         log.wait_for(uid, FirstAudio, timeout_s=120)  # the first window is out: the segment is not one call
         engine.cancel(uid)
         log.wait_terminal([uid], 60)
@@ -132,8 +132,9 @@ def test_the_llm_stops_at_the_segment_token_budget(model, golden_dir):
     try:
         log, sink = EventLog(), RecordingSink()
         uid = engine.open_utterance(GOLDEN_VOICE, sink, log, "u-budget")
-        engine.push_text(uid, "This sentence would need far more than thirty speech tokens to be said.")
-        engine.end_input(uid)
+        engine.push_text(
+            uid, "This sentence would need far more than thirty speech tokens to be said.", end=True
+        )
         log.wait_terminal([uid], 120)
         done = log.of(uid)[-1]
         assert isinstance(done, Done), done

@@ -104,8 +104,9 @@ def test_every_engine_step_of_a_speed_utterance_is_bounded(model, golden_dir, re
     try:
         log, sink = EventLog(), RecordingSink()
         uid = engine.open_utterance(GOLDEN_VOICE, sink, log, "u-steps", SpeakOptions(speed=speed))
-        engine.push_text(uid, "A long sentence said slowly, in bounded steps, window after window. " * 4)
-        engine.end_input(uid)
+        engine.push_text(
+            uid, "A long sentence said slowly, in bounded steps, window after window. " * 4, end=True
+        )
         log.wait_terminal([uid], 300)
         done = log.of(uid)[-1]
         assert isinstance(done, Done), done
@@ -142,8 +143,9 @@ def test_a_cancel_lands_inside_a_window_between_its_euler_steps(model, golden_di
                     engine.cancel(uid)
 
         recorder.on_step = cancel_at_third_flow_step
-        engine.push_text(uid, "A long sentence said slowly, in bounded steps, window after window. " * 4)
-        engine.end_input(uid)
+        engine.push_text(
+            uid, "A long sentence said slowly, in bounded steps, window after window. " * 4, end=True
+        )
         log.wait_terminal([uid], 300)
         assert isinstance(log.of(uid)[-1], Cancelled)
         assert len(flows) == 3  # cancelled mid-window: none of its other seven Euler steps ran

@@ -122,14 +122,12 @@ def test_a_long_digit_text_stalls_neither_the_process_nor_a_speaking_utterance(e
     engine.step_stats.longest_cpu_ms = 0.0
     log, digits_sink, speaking = EventLog(), RecordingSink(), TimedSink()
     talker = engine.open_utterance(GOLDEN_VOICE, speaking, log)
-    engine.push_text(talker, "Hello there, this is another call speaking at the same time.")
-    engine.end_input(talker)
+    engine.push_text(talker, "Hello there, this is another call speaking at the same time.", end=True)
     log.wait_for(talker, FirstAudio, 60)
     with GilProbe() as probe:
         speaking.times = [time.perf_counter()]  # its track's lag from now on
         digits = engine.open_utterance(GOLDEN_VOICE, digits_sink, log)
-        engine.push_text(digits, LONG_DIGITS)
-        engine.end_input(digits)
+        engine.push_text(digits, LONG_DIGITS, end=True)
         log.wait_terminal([digits, talker], 180)
     done = {uid: log.of(uid)[-1] for uid in (digits, talker)}
     assert all(isinstance(e, Done) for e in done.values()), done
@@ -161,8 +159,7 @@ def test_a_registration_computes_features_off_the_engine_thread_while_a_call_spe
     log, speaking = EventLog(), TimedSink()
     try:
         talker = engine.open_utterance(GOLDEN_VOICE, speaking, log)
-        engine.push_text(talker, "Hello there, this call keeps speaking while a voice registers.")
-        engine.end_input(talker)
+        engine.push_text(talker, "Hello there, this call keeps speaking while a voice registers.", end=True)
         info = engine.register_voice(_clip(8.0), "Twenty three apples cost 45 dollars.", "probe", "").result(
             60
         )
@@ -176,8 +173,7 @@ def test_a_registration_computes_features_off_the_engine_thread_while_a_call_spe
     assert voice.prompt_text_tokens  # the transcript was tokenised (in a text process)
     spoken = EventLog()
     uid = engine.open_utterance("probe", RecordingSink(), spoken)
-    engine.push_text(uid, "Now in the new voice.")
-    engine.end_input(uid)
+    engine.push_text(uid, "Now in the new voice.", end=True)
     spoken.wait_terminal([uid], 120)
     assert isinstance(spoken.of(uid)[-1], Done)
 
@@ -197,8 +193,7 @@ def test_an_overlong_transcript_is_refused_before_any_work(engine, model):
 def _speak(engine: EngineWorker, text: str) -> tuple[Done, np.ndarray]:
     log, sink = EventLog(), RecordingSink()
     uid = engine.open_utterance(GOLDEN_VOICE, sink, log, "same-id")  # same id: same seed, same tokens
-    engine.push_text(uid, text)
-    engine.end_input(uid)
+    engine.push_text(uid, text, end=True)
     log.wait_terminal([uid], 180)
     done = log.of(uid)[-1]
     assert isinstance(done, Done), done
@@ -239,8 +234,7 @@ def test_inline_a_long_text_is_prepared_one_bounded_job_per_step(model, golden_d
     try:
         log = EventLog()
         uid = engine.open_utterance(GOLDEN_VOICE, RecordingSink(), log)
-        engine.push_text(uid, LONG_DIGITS)
-        engine.end_input(uid)
+        engine.push_text(uid, LONG_DIGITS, end=True)
         log.wait_terminal([uid], 180)
         done = log.of(uid)[-1]
         assert isinstance(done, Done), done

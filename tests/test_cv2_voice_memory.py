@@ -98,8 +98,7 @@ def test_a_deleted_voice_gives_its_prompt_caches_back(model, golden_dir, tmp_pat
             )
             log = EventLog()
             uid = engine.open_utterance(f"v{i}", RecordingSink(), log)
-            engine.push_text(uid, "Speak once.")
-            engine.end_input(uid)
+            engine.push_text(uid, "Speak once.", end=True)
             log.wait_terminal([uid], 120)
             assert isinstance(log.of(uid)[-1], Done)
         book = backend.book

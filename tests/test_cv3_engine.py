@@ -52,8 +52,7 @@ def test_whole_text_speaks_two_tokens_per_text_token(model):
     engine.start()
     try:
         uid = engine.open_utterance(None, sink, log)
-        engine.push_text(uid, TEXT)
-        engine.end_input(uid)
+        engine.push_text(uid, TEXT, end=True)
         log.wait_terminal([uid], timeout_s=300)
     finally:
         engine.stop()
@@ -91,8 +90,7 @@ def test_text_deltas_speak_before_the_text_ends(model):
         engine.push_text(uid, "This is the first sentence of many. And ")
         assert first.wait(120), "no audio before the end of the text stream"
         assert backend._active[uid].backend_state.mode == "deltas"
-        engine.push_text(uid, "then it ends.")
-        engine.end_input(uid)
+        engine.push_text(uid, "then it ends.", end=True)
         log.wait_terminal([uid], timeout_s=300)
     finally:
         engine.stop()
@@ -153,8 +151,7 @@ def _speak(model, uids: list[str], monkeypatch) -> tuple[dict[str, np.ndarray], 
     try:
         for uid in uids:
             engine.open_utterance(None, sinks[uid], log, utterance_id=uid)
-            engine.push_text(uid, TEXT * 3)
-            engine.end_input(uid)
+            engine.push_text(uid, TEXT * 3, end=True)
         log.wait_terminal(uids, timeout_s=300)
     finally:
         engine.stop()

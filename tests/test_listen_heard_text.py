@@ -32,8 +32,7 @@ def say(backend, text: str, voice: str | None = None) -> MarkingSink:
     engine.start()
     try:
         engine.open_utterance(voice, sink, log, utterance_id="u1")
-        engine.push_text("u1", text)
-        engine.end_input("u1")
+        engine.push_text("u1", text, end=True)
         log.wait_terminal(["u1"], timeout_s=300)
     finally:
         engine.stop()

@@ -43,6 +43,7 @@ def test_values_are_read_and_typed(tmp_path):
         ("[engine]\nbackend = 'cosyvoice2'\n", "engine.model_dir"),
         ("[engine]\nworkers = 0\n", "engine.workers"),
         ("[engine]\nmax_batch = 0\n", "engine.max_batch"),
+        ("[engine]\nbistream_unit = 'phrase'\n", "engine.bistream_unit"),
         ("[engine]\nbackend = 'cosyvoice2'\nmodel_dir = 'm'\nworkers = 2\n", "engine.workers"),
         ("[engine]\nbackend = 'cosyvoice3'\n", "engine.model_dir"),
         ("[engine]\nbackend = 'cosyvoice3'\nmodel_dir = 'm'\nworkers = 2\n", "engine.workers"),

@@ -125,6 +125,7 @@ class EngineConfig:
     llm: str = "torch"
     accel_dir: str = ""
     text_workers: int = 1  # CosyVoice text normalisation processes (0 = on the engine thread)
+    bistream_unit: str = "word"  # CosyVoice text deltas enter the LLM per completed word | sentence
 
     @property
     def model_name(self) -> str:
@@ -157,6 +158,7 @@ class EngineConfig:
         _check(ok_piece, "engine.piper_piece_phonemes", "must be 0 (sized from max_step_ms) or 8..2000")
         _check(1 <= self.max_batch <= 256, "engine.max_batch", "must be 1..256")
         _check(0 <= self.text_workers <= 16, "engine.text_workers", "must be 0..16")
+        _check(self.bistream_unit in ("word", "sentence"), "engine.bistream_unit", "must be word | sentence")
         _check(
             self.estimator in ("torch", "onnx", "tensorrt"),
             "engine.estimator",

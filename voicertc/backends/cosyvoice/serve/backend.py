@@ -55,7 +55,7 @@ from voicertc.backends.cosyvoice.serve.modes import LlmPrompt, llm_prompt
 from voicertc.backends.cosyvoice.serve.state import Cv2State, FlowedChunk
 from voicertc.backends.cosyvoice.serve.streams import token2wav_stream
 from voicertc.backends.cosyvoice.serve.token2wav import Chunk, Token2WavStream
-from voicertc.backends.cosyvoice.voice.text import text_normalize
+from voicertc.backends.cosyvoice.voice.text import SentenceStream, text_normalize
 from voicertc.backends.cosyvoice.voice.text_prep import (
     DEFAULT_CHUNK_CHARS,
     ProcessTextPrep,
@@ -106,6 +106,7 @@ class BackendOptions:
     graph_warm_keys: int = 1024  # flow histories (frames) whose buckets are captured at start (CUDA)
     text_workers: int = 0  # text preparation processes ([engine] text_workers; 0 = on the engine thread)
     prep_chars: int = DEFAULT_CHUNK_CHARS  # one text preparation job at most, in characters
+    bistream_unit: str = "word"  # text deltas reach the LLM per completed word | sentence
 
 
 Cv2Job = Job[Cv2State]
@@ -271,6 +272,7 @@ class CosyVoice2Backend:
             llm_generator=torch.Generator(self.model.device).manual_seed(seed),
             llm_seed=seed,
             hift_generator=torch.Generator(self._hift_draws_device).manual_seed(seed + 1),
+            splitter=SentenceStream(words=self.options.bistream_unit == "word"),
         )
 
     def _seed(self, utterance_id: str) -> int:
@@ -753,6 +755,7 @@ def create_backend(config: Config) -> CosyVoice2Backend:
         graph_memory_mb=engine.graph_memory_mb,
         max_segment_tokens=config.limits.max_speech_tokens_per_segment,
         text_workers=engine.text_workers,
+        bistream_unit=engine.bistream_unit,
     )
     streamer = llm_streamer(model, engine)
     backend = CosyVoice2Backend(model, schedule, engine.voices_dir or None, options, streamer)

@@ -169,7 +169,9 @@ def create_backend(config: Config) -> CosyVoice3Backend:
         grid_tokens=s.grid_tokens or None,
         final_chunk=s.final_chunk,  # type: ignore[arg-type]
     )
-    options = BackendOptions(max_segment_tokens=config.limits.max_speech_tokens_per_segment)
+    options = BackendOptions(
+        max_segment_tokens=config.limits.max_speech_tokens_per_segment, bistream_unit=engine.bistream_unit
+    )
     backend = CosyVoice3Backend(model, schedule, engine.voices_dir or None, options)
     backend.warm_up()
     return backend

@@ -187,8 +187,8 @@ class TtsSession:
             flush = data.get("flush", False)
             if not isinstance(flush, bool):
                 raise _MessageError("bad_request", '"flush" must be true or false')
-            await self._text_delta(data.get("text"))
-            if flush:  # the whole text in one message: the engine gets it with its end, in one go
+            await self._text_delta(data.get("text"), flush)
+            if flush:  # ends what the delta did not (no text: nothing to speak is then reported)
                 self._flush()
         elif kind == "text.flush":
             self._flush()
@@ -220,7 +220,9 @@ class TtsSession:
         options = checked_options(self.engine, instruct, None, "instruct")
         return SessionSettings(voice, fmt, rate, options.instruct, binary, options)
 
-    async def _text_delta(self, text: object) -> None:
+    async def _text_delta(self, text: object, end: bool = False) -> None:
+        """Add text to the open utterance (or a new one); `end`: the whole text in one message, which
+        reaches the engine with its end in one command (never as deltas and a separate end)."""
         if not isinstance(text, str):
             raise _MessageError("bad_request", 'text.delta needs "text": a string')
         try:
@@ -249,9 +251,11 @@ class TtsSession:
             await self._fail(utt, "text_too_long", message)
             return
         if utt.stream.opened:
-            utt.stream.push(text)
+            utt.stream.push(text, end)
         else:
-            utt.pending.append(text)
+            utt.pending.append(text)  # `_pump` pushes it, with its end if the input has ended
+        if end:
+            utt.input_ended = True
 
     def _input_utterance(self) -> _Utterance | None:
         last = self._utterances[-1] if self._utterances else None

@@ -19,10 +19,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 from call_helpers import fake_config
 
 from bench.make_tiny_model_dir import make_tiny_model_dir
+from signaling.app import create_app
 from voicertc.assemble import create_local_engine
 from voicertc.audio import PcmRing, RingSink
 from voicertc.engine.protocol import Cancelled, Done, EngineEvent, Failed
@@ -42,11 +45,18 @@ class StepAfterEachCommand(queue.SimpleQueue):  # type: ignore[type-arg]
         time.sleep(0.15)  # the engine applies it and runs the utterance's next unit meanwhile
 
 
+def server_config(model_dir):
+    return fake_config(engine={"backend": "cosyvoice2", "model_dir": str(model_dir), "text_workers": 0})
+
+
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory, tiny_model_dir) -> Iterator[Any]:
-    model_dir = make_tiny_model_dir(tmp_path_factory.mktemp("cv2_whole"), checkpoints_from=tiny_model_dir)
-    config = fake_config(engine={"backend": "cosyvoice2", "model_dir": str(model_dir), "text_workers": 0})
-    eng = create_local_engine(config)
+def model_dir(tmp_path_factory, tiny_model_dir):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("cv2_whole"), checkpoints_from=tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir) -> Iterator[Any]:
+    eng = create_local_engine(server_config(model_dir))
     eng._queue = StepAfterEachCommand()  # before the thread starts: it reads only this queue
     eng.start()
     try:
@@ -102,3 +112,26 @@ async def test_the_speech_stream_pushes_a_whole_text_whole(engine):
     pcm = b"".join([chunk async for chunk in stream.chunks()])
     assert isinstance(stream.outcome, Done), stream.outcome
     assert len(pcm) == pytest.approx(2 * 24000 * WHOLE_HELLO_MS / 1000, abs=2 * 480), len(pcm)
+
+
+async def test_the_tts_websocket_and_the_speech_endpoint_send_a_whole_text_whole(engine, model_dir):
+    """`text.delta` with `flush: true`, and `POST /v1/audio/speech`: one engine command each."""
+    client = TestClient(TestServer(create_app(server_config(model_dir), engine=engine)))
+    await client.start_server()
+    try:
+        async with client.ws_connect("/v1/tts/stream") as ws:
+            assert (await ws.receive_json())["type"] == "session.created"
+            await ws.send_json({"type": "text.delta", "text": "Hello.", "flush": True})
+            while True:
+                message = await ws.receive(timeout=60)
+                if message.type == aiohttp.WSMsgType.TEXT and message.json()["type"] == "speech.done":
+                    assert message.json()["audio_ms"] == pytest.approx(WHOLE_HELLO_MS, abs=1), message.json()
+                    break
+                assert message.type != aiohttp.WSMsgType.TEXT or message.json()["type"] != "error", message
+        body = {"model": "tts-1", "input": "Hello.", "voice": None, "response_format": "pcm"}
+        async with client.post("/v1/audio/speech", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            pcm = await resp.read()
+        assert len(pcm) == pytest.approx(2 * 24000 * WHOLE_HELLO_MS / 1000, abs=2 * 480), len(pcm)
+    finally:
+        await client.close()

@@ -5,15 +5,16 @@ BIN := $(VENV)/bin
 # torch comes from the machine's CPU wheel (pip's find-links); pinning it keeps pip from fetching a CUDA build.
 TORCH := torch==2.13.0
 ARGS ?=
-# The suite in three phases, two at a time: the real-time tests (calls, browsers, listening, the Ray
-# cluster) in one process at normal priority, and beside it, at the lowest CPU priority (SCHED_IDLE:
-# it runs only on a core nothing else wants; nice 19 where that policy is refused), the
-# model tests (CPU-bound, no clocks: parity, batching, exports) on two pytest-xdist workers, a module per
-# worker at a time, one torch thread each (tests/conftest.py), then the servers without clocks (below) on
-# two workers. The real-time process uses ~0.6 of the 2 cores on average; the niced phases take only
-# what it leaves, so no test that measures playback competes for CPU (they have no clocks to miss), and
-# the suite takes about as long as its real-time half. Their output follows the real-time phase's
-# (.test-logs/background.log). `make test ARGS="tests/test_call.py -x"` runs just that.
+# The suite in four phases. First, two at a time: the real-time tests (calls, listening, the Ray
+# cluster) in one process at normal priority, and beside it, at the lowest CPU priority (SCHED_IDLE: it
+# runs only on a core nothing else wants; nice 19 where that policy is refused), the model tests
+# (CPU-bound, no clocks: parity, batching, exports) on two pytest-xdist workers, a module per worker at
+# a time, one torch thread each (tests/conftest.py), then the servers without clocks (below) on two
+# workers. The real-time process uses ~0.6 of the 2 cores on average; the idle-priority phases take only
+# what it leaves and have no clocks to miss. Last, once both are done, alone: the tests that bound a
+# latency a listener hears (LATENCY_TESTS: browsers, barge-in, loopback calls). The background output
+# is printed when it ends (.test-logs/background.log). `make test ARGS="tests/test_call.py -x"` runs
+# just that.
 PARALLEL_TESTS := $(filter-out tests/test_cv2_loopback.py tests/test_cv2_text_prep.py,$(wildcard tests/test_cv2_*.py)) \
 	$(wildcard tests/test_cv3_*.py tests/test_export_*.py tests/test_gpu*.py) tests/test_doctor.py \
 	tests/test_import_graph.py tests/test_speak_request.py tests/test_delivery.py tests/test_schedule.py \
@@ -30,14 +31,13 @@ SERVER_TESTS := tests/test_config.py \
 	tests/test_batch_metrics.py tests/test_step_metrics.py tests/test_stream_sink.py tests/test_readyz.py \
 	tests/test_remote_config.py tests/test_engine_commands.py tests/test_embed_voices.py \
 	tests/test_listen_config.py
-# The real-time tests that bound a latency a listener hears (browsers, barge-in, loopback calls) run
-# last, when the background phases are most likely done; every other real-time module runs first.
+# The real-time tests that bound a latency a listener hears (browsers, barge-in, loopback calls): the
+# last phase, with nothing beside them.
 LATENCY_TESTS := tests/test_api.py tests/test_call.py tests/test_call_vanish.py tests/test_loopback.py \
 	tests/test_cv2_loopback.py $(wildcard tests/test_browser*.py) tests/test_listen_browser.py \
 	tests/test_listen_loopback.py tests/test_listen_bargein.py tests/test_listen_heard_text.py \
 	tests/test_listen_inbound.py
-SERIAL_TESTS := $(filter-out $(PARALLEL_TESTS) $(SERVER_TESTS) $(LATENCY_TESTS),$(wildcard tests/test_*.py)) \
-	$(LATENCY_TESTS)
+SERIAL_TESTS := $(filter-out $(PARALLEL_TESTS) $(SERVER_TESTS) $(LATENCY_TESTS),$(wildcard tests/test_*.py))
 PYTEST = HF_HUB_OFFLINE=1 $(OFFLINE) $(BIN)/python -m pytest -q
 IDLE := $(shell chrt --idle 0 true >/dev/null 2>&1 && echo chrt --idle 0)
 NICE_PYTEST = HF_HUB_OFFLINE=1 $(IDLE) nice -n 19 $(OFFLINE) $(BIN)/python -m pytest -q
@@ -61,10 +61,12 @@ ifeq ($(strip $(ARGS)),)
 	   test $$model = 0 -a $$? = 0 ) >.test-logs/background.log 2>&1 & background=$$!; \
 	 $(PYTEST) --durations=20 $(SERIAL_TESTS); realtime=$$?; \
 	 wait $$background; niced=$$?; \
-	 echo "=== the model and server phases (nice 19, beside the real-time phase) ==="; \
+	 echo "=== the model and server phases (idle priority, beside the real-time phase) ==="; \
 	 cat .test-logs/background.log; \
-	 echo "=== real-time phase: exit $$realtime; model and server phases: exit $$niced ==="; \
-	 test $$realtime = 0 && test $$niced = 0
+	 echo "=== the latency-bounding tests, alone ==="; \
+	 $(PYTEST) --durations=10 $(LATENCY_TESTS); latency=$$?; \
+	 echo "=== exits: real-time $$realtime, model and server $$niced, latency-bounding $$latency ==="; \
+	 test $$realtime = 0 && test $$niced = 0 && test $$latency = 0
 else
 	$(PYTEST) $(ARGS)
 endif

@@ -45,6 +45,10 @@ def test_other_frames_take_aiortcs_path_for_good():
     for samples, layout in ((480, "stereo"), (960, "mono")):
         batch = frames(40, samples, layout)
         assert encoded(opus_send.encode, batch) == encoded(opus_send.AIORTC_ENCODE, batch)
+    other_clock = frames(10, 960, "stereo")
+    for i, frame in enumerate(other_clock):
+        frame.pts, frame.time_base = 2 * 960 * i, fractions.Fraction(1, 96000)  # the resampler re-times it
+    assert encoded(opus_send.encode, other_clock) == encoded(opus_send.AIORTC_ENCODE, other_clock)
     encoder = opus.OpusEncoder()
     opus_send.encode(encoder, frames(1, 480, "stereo")[0])  # half a frame now buffered in the resampler
     assert encoder.voicertc_resampling

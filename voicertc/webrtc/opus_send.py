@@ -22,11 +22,15 @@ AIORTC_ENCODE = opus.OpusEncoder.encode  # kept for the equality test
 
 
 def _ready(frame: Any) -> bool:
+    """The frame is what the resampler would hand the codec: format, layout, rate, size and a pts in
+    samples (the resampler re-times a frame without one, or with another time base)."""
     return bool(
         frame.format.name == "s16"
         and frame.layout.name == "stereo"
         and frame.sample_rate == SAMPLE_RATE_HZ
         and frame.samples == SAMPLES_PER_FRAME
+        and frame.pts is not None
+        and frame.time_base == opus.TIME_BASE
     )
 
 

@@ -59,3 +59,90 @@ def test_install_is_idempotent():
     opus_send.install()
     opus_send.install()
     assert opus.OpusEncoder.encode is opus_send.encode
+
+
+def speech_silence_speech() -> list[AudioFrame]:
+    speech = frames(40, 960, "stereo", seed=3)
+    silent = []
+    for i in range(30):
+        frame = AudioFrame.from_ndarray(np.zeros((1, 1920), np.int16), format="s16", layout="stereo")
+        frame.sample_rate, frame.pts, frame.time_base = 48000, (20 + i) * 960, TIME_BASE
+        silent.append(frame)
+    resumed = speech[20:]
+    for i, frame in enumerate(resumed):
+        frame.pts = (50 + i) * 960
+    return speech[:20] + silent + resumed
+
+
+def decode(stream: list[tuple[list[bytes], int | None]]) -> np.ndarray:
+    from aiortc.codecs.opus import OpusDecoder
+    from aiortc.jitterbuffer import JitterFrame
+
+    decoder = OpusDecoder()
+    out = [decoder.decode(JitterFrame(data=payloads[0], timestamp=ts))[0].to_ndarray() for payloads, ts in stream]
+    return np.concatenate([pcm.reshape(-1) for pcm in out]).astype(np.float64)
+
+
+def test_the_encoder_settles_on_one_silence_packet():
+    payload = opus_send.silence_payload()
+    assert payload is not None and len(payload) <= 8
+    stream = encoded(opus_send.encode, speech_silence_speech())
+    assert [payloads[0] for payloads, _ in stream[25:50]] == [payload] * 25  # within 5 frames of the speech
+
+
+def test_silence_sent_as_packets_keeps_the_bytes_the_timeline_and_the_audio():
+    opus_send.install()
+    payload = opus_send.silence_payload()
+    assert payload is not None
+    batch = speech_silence_speech()
+    encoder = opus.OpusEncoder()
+    mixed = []
+    for i, frame in enumerate(batch):
+        if 25 <= i < 50:  # what SpeechTrack does after 5 silent frames
+            mixed.append(encoder.pack(opus_send.silence_packet(payload, frame.pts)))
+        else:
+            mixed.append(opus_send.encode(encoder, frame))
+    every = encoded(opus_send.encode, batch)
+    assert [ts for _, ts in mixed] == [ts for _, ts in every] == [i * 960 for i in range(70)]
+    assert mixed[:50] == every[:50]
+    # both streams decode to the resumed speech with the same fidelity (the codec's delay aligned)
+    source = np.concatenate([frame.to_ndarray().reshape(-1) for frame in batch]).astype(np.float64)
+    ours, reference = decode(mixed), decode(every)
+    start = 52 * 1920
+
+    def snr_db(decoded: np.ndarray, delay: int) -> float:
+        sent = source[start : source.size - delay]
+        return float(10 * np.log10(np.sum(sent**2) / np.sum((decoded[start + delay :] - sent) ** 2)))
+
+    delay = max(range(0, 1400, 2), key=lambda d: snr_db(reference, d))
+    assert snr_db(reference, delay) > 15.0
+    assert abs(snr_db(ours, delay) - snr_db(reference, delay)) < 0.5
+
+
+def test_install_patches_pack_too():
+    opus_send.install()
+    assert opus.OpusEncoder.pack is opus_send.pack
+
+
+async def test_the_call_sends_silence_packets_only_when_its_answer_sends_opus():
+    from aiortc import RTCPeerConnection, RTCRtpSender
+
+    from voicertc.webrtc.call import sends_opus
+    from voicertc.webrtc.loopback import patch_aioice_loopback
+
+    restore = patch_aioice_loopback()
+    try:
+        for codec, expected in (("opus", True), ("PCMU", False)):
+            offerer, answerer = RTCPeerConnection(), RTCPeerConnection()
+            transceiver = offerer.addTransceiver("audio", direction="recvonly")
+            capabilities = RTCRtpSender.getCapabilities("audio").codecs
+            transceiver.setCodecPreferences([c for c in capabilities if c.name == codec])
+            await offerer.setLocalDescription(await offerer.createOffer())
+            await answerer.setRemoteDescription(offerer.localDescription)
+            answerer.getTransceivers()[0].direction = "sendonly"
+            await answerer.setLocalDescription(await answerer.createAnswer())
+            assert sends_opus(answerer.localDescription.sdp) is expected, codec
+            await offerer.close()
+            await answerer.close()
+    finally:
+        restore()

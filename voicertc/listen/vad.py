@@ -61,6 +61,12 @@ class VadStateMachine:
     def onset_ms(self) -> float | None:
         return self._onset_ms
 
+    @property
+    def idle(self) -> bool:
+        """Silent, no onset pending and the latch released: a window that is not voiced cannot change
+        anything but the silence it extends (an unvoiced window then leaves the machine as it was)."""
+        return not self.speaking and self._onset_ms is None and not self._voiced_state
+
     def _voiced(self, prob: float) -> bool:
         if prob >= self.threshold:
             self._voiced_state = True

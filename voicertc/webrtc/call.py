@@ -35,7 +35,7 @@ from voicertc.errors import InputError, VoiceRTCError
 from voicertc.listen.bargein import BargeInDecision
 from voicertc.listen.listener import CallListener
 from voicertc.validate import BadJsonError, SpeakRequest, SpeakRules, parse_json
-from voicertc.webrtc import audio_level, opus_send
+from voicertc.webrtc import audio_level, mic_decode, opus_send
 from voicertc.webrtc.loopback import loopback_only_sdp
 from voicertc.webrtc.sctp_limits import limit_inbound_messages
 from voicertc.webrtc.speech import ClientEvent, SpeechHandle, SpeechQueue, speak_rules
@@ -70,6 +70,7 @@ class Call:
         self.created_s = self.loop.time()
         audio_level.install()  # the sender's per-frame RTP audio level without a Python sample loop
         opus_send.install()  # the track's frames go to the Opus codec without aiortc's resampler
+        mic_decode.install()  # the caller's decoded frames go to the listen thread past the loop
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=ice_servers(config)))
         self.ring = PcmRing(high_water_ms=config.engine.max_queued_ms, margin_ms=RING_MARGIN_MS)
         self.sink = RingSink(self.ring, trim_leading_ms=config.webrtc.trim_leading_silence_ms)
@@ -142,6 +143,8 @@ class Call:
                 "call %s: ignoring offered %s (audio only)", self.call_id, ", ".join(self.ignored_media)
             )
         await self.pc.setLocalDescription(await self.pc.createAnswer())
+        if sends_opus(self.pc.localDescription.sdp):
+            self.track.send_silence_as(opus_send.silence_payload())
         self._watchdog = self.loop.create_task(self._watch(), name=f"call-{self.call_id}-watchdog")
         logger.info("call %s answered", self.call_id)
         return self.pc.localDescription.sdp
@@ -236,6 +239,7 @@ class Call:
             self.call_id, listen, self._emit, self.current_utterance, self._on_barge_in, transcriber
         )
         self._shorten_mic_jitter_buffer(track)
+        mic_decode.route_decoded(track, self.listener.thread.process_frame)
         self.listener.start(track)
         self._listening.set()
         logger.info("call %s: listening to the caller's microphone", self.call_id)
@@ -518,6 +522,13 @@ ACCEPTED_AUDIO_CODECS = ("opus", "pcmu", "pcma")
 
 class UnsupportedCodecError(InputError):
     code = "unsupported_codec"
+
+
+def sends_opus(answer_sdp: str) -> bool:
+    """The answer's first audio codec (the one aiortc sends with) is 48 kHz stereo Opus."""
+    audio = [m for m in SessionDescription.parse(answer_sdp).media if m.kind == "audio"]
+    codecs = audio[0].rtp.codecs if audio else []
+    return bool(codecs) and codecs[0].mimeType.lower() == "audio/opus" and codecs[0].clockRate == 48000
 
 
 def check_audio_codecs(audio_media: list[Any]) -> None:

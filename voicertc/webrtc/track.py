@@ -6,6 +6,10 @@ aiortc's sender calls `recv()` in a tight loop and never paces, so this track do
 anchored at the first `recv()`, silence when the ring runs dry (never a stall), and no exception out
 of `recv()` other than `MediaStreamError` (anything else stops aiortc's sender for good).
 Barge-in flushes here, at the last buffer before the encoder: `interrupt()`.
+
+Silence: once the sender's codec is known to be Opus (`send_silence_as`, set by the call after the
+answer), a silent frame after `SILENT_FRAMES_ENCODED` silent ones is handed over as the encoder's own
+silence packet (`webrtc.opus_send`): no frame built, no encoder thread hop, the same RTP bytes.
 """
 
 from __future__ import annotations
@@ -20,15 +24,17 @@ from typing import Any, Literal
 
 import numpy as np
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
-from av import AudioFrame
+from av import AudioFrame, Packet
 
 from voicertc.audio import PcmRing, Span, fade_out
+from voicertc.webrtc.opus_send import SAMPLES_PER_FRAME, silence_packet
 
 logger = logging.getLogger(__name__)
 
 SAMPLE_RATE_HZ = 48000
 TIME_BASE = Fraction(1, SAMPLE_RATE_HZ)
 GAP_S = 0.1  # a pause between frames longer than this counts in `gaps_over_100ms`
+SILENT_FRAMES_ENCODED = 5  # silent frames encoded before the silence packet stands in (the encoder settles in 3)
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,15 @@ class SpeechTrack(MediaStreamTrack):
         self._fade_tail = np.zeros(0, dtype=np.int16)
         self._playing: str | None = None
         self._playback: dict[str, _Playback] = {}
+        self._silence_payload: bytes | None = None
+        self._silent_frames = 0  # silent frames in a row, the current one included
+        self.silence_packets = 0  # silent frames handed over as the encoder's silence packet
+
+    def send_silence_as(self, payload: bytes | None) -> None:
+        """The sender encodes with Opus and settles on `payload` for digital silence (None: encode every
+        frame). Only for 20 ms stereo frames, the encoder's own format."""
+        ready = self.stereo and self.frame_samples == SAMPLES_PER_FRAME
+        self._silence_payload = payload if ready else None
 
     @classmethod
     def from_config(cls, ring: PcmRing, config: Any, **kwargs: Any) -> SpeechTrack:
@@ -145,7 +160,7 @@ class SpeechTrack(MediaStreamTrack):
 
     # --- aiortc side ------------------------------------------------------------------------------
 
-    async def recv(self) -> AudioFrame:
+    async def recv(self) -> AudioFrame | Packet:  # type: ignore[override]
         if self.readyState != "live":
             raise MediaStreamError
         await self._wait_for_deadline()
@@ -156,10 +171,20 @@ class SpeechTrack(MediaStreamTrack):
         except Exception:  # never let aiortc's sender see anything but MediaStreamError
             logger.exception("track %s: reading the ring failed; sending silence", self.id)
             pcm = np.zeros(self.frame_samples, dtype=np.int16)
-        frame = self._build_frame(pcm)
+        frame = self._silence_or_none(pcm) or self._build_frame(pcm)
         self._samples_sent += self.frame_samples
         self.stats.frames_sent += 1
         return frame
+
+    def _silence_or_none(self, pcm: np.ndarray) -> Packet | None:
+        if pcm.any():
+            self._silent_frames = 0
+            return None
+        self._silent_frames += 1
+        if self._silence_payload is None or self._silent_frames <= SILENT_FRAMES_ENCODED:
+            return None
+        self.silence_packets += 1
+        return silence_packet(self._silence_payload, self._samples_sent)
 
     async def _wait_for_deadline(self) -> None:
         """Absolute schedule: frame n goes out at anchor + n * frame; re-anchor instead of bursting."""

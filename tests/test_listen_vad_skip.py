@@ -21,7 +21,9 @@ WINDOW_MS = 1000.0 * VAD_WINDOW / 16000
 
 @pytest.fixture(scope="module")
 def clip() -> np.ndarray:
-    pcm, _ = caller_clip([1.0, "What time does the library open tomorrow?", 0.8, "And on Sunday?", 1.2, "Thanks.", 0.6])
+    pcm, _ = caller_clip(
+        [1.0, "What time does the library open tomorrow?", 0.8, "And on Sunday?", 1.2, "Thanks.", 0.6]
+    )
     return pcm
 
 
@@ -34,7 +36,10 @@ def with_noise(pcm: np.ndarray, noise_dbfs: float | None) -> np.ndarray:
 
 
 def windows(pcm16: np.ndarray) -> list[np.ndarray]:
-    return [pcm16[i : i + VAD_WINDOW].astype(np.float32) / 32768.0 for i in range(0, pcm16.size - VAD_WINDOW + 1, VAD_WINDOW)]
+    return [
+        pcm16[i : i + VAD_WINDOW].astype(np.float32) / 32768.0
+        for i in range(0, pcm16.size - VAD_WINDOW + 1, VAD_WINDOW)
+    ]
 
 
 def oracle_events(pcm16: np.ndarray, config: ListenConfig) -> list[VadEvent]:

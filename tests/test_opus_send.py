@@ -79,7 +79,9 @@ def decode(stream: list[tuple[list[bytes], int | None]]) -> np.ndarray:
     from aiortc.jitterbuffer import JitterFrame
 
     decoder = OpusDecoder()
-    out = [decoder.decode(JitterFrame(data=payloads[0], timestamp=ts))[0].to_ndarray() for payloads, ts in stream]
+    out = [
+        decoder.decode(JitterFrame(data=payloads[0], timestamp=ts))[0].to_ndarray() for payloads, ts in stream
+    ]
     return np.concatenate([pcm.reshape(-1) for pcm in out]).astype(np.float64)
 
 

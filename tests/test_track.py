@@ -254,7 +254,11 @@ async def test_silence_stays_frames_unless_the_sender_encodes_opus_stereo_20ms()
 
     from voicertc.webrtc.opus_send import silence_payload
 
-    for kwargs, payload in (({}, None), ({"stereo": False}, silence_payload()), ({"frame_ms": 10}, silence_payload())):
+    for kwargs, payload in (
+        ({}, None),
+        ({"stereo": False}, silence_payload()),
+        ({"frame_ms": 10}, silence_payload()),
+    ):
         track, _, _ = make_track(**kwargs)
         track.send_silence_as(payload)
         sent = [await track.recv() for _ in range(20)]

@@ -80,4 +80,4 @@ def decoder_worker(
 
 def install() -> None:
     """Make every aiortc receiver started from now on use `decoder_worker` (idempotent)."""
-    rtcrtpreceiver.decoder_worker = decoder_worker  # type: ignore[assignment]
+    rtcrtpreceiver.decoder_worker = decoder_worker

@@ -105,4 +105,4 @@ def silence_packet(payload: bytes, pts: int) -> av.Packet:
 def install() -> None:
     """Make every aiortc Opus encoder use `encode` and `pack` (idempotent)."""
     opus.OpusEncoder.encode = encode  # type: ignore[method-assign,assignment]
-    opus.OpusEncoder.pack = pack  # type: ignore[method-assign,assignment]
+    opus.OpusEncoder.pack = pack  # type: ignore[method-assign]

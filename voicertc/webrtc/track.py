@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 SAMPLE_RATE_HZ = 48000
 TIME_BASE = Fraction(1, SAMPLE_RATE_HZ)
 GAP_S = 0.1  # a pause between frames longer than this counts in `gaps_over_100ms`
-SILENT_FRAMES_ENCODED = 5  # silent frames encoded before the silence packet stands in (the encoder settles in 3)
+SILENT_FRAMES_ENCODED = 5  # silent frames encoded before its silence packet stands in (it settles in 3)
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ class SpeechTrack(MediaStreamTrack):
 
     # --- aiortc side ------------------------------------------------------------------------------
 
-    async def recv(self) -> AudioFrame | Packet:  # type: ignore[override]
+    async def recv(self) -> AudioFrame | Packet:
         if self.readyState != "live":
             raise MediaStreamError
         await self._wait_for_deadline()

@@ -14,7 +14,7 @@ question, 1.5 s silence) and that know when each clip sample left (`ClipTrack.se
   browser's NetEq is typically 20-60 ms). "words" waits for a Whisper partial with a non-backchannel word.
 - CPU per call: server process CPU (all threads) per call-second with `--calls` calls for `--cpu-seconds`:
   send-only (recvonly offer), two-way with a silent mic, two-way with the mic speaking (the question
-  looped, transcripts on); the agent is silent in all three.
+  looped) with transcripts off and on; the agent is silent in all four.
 Several trials; p50/p95 printed with the load average; JSON in bench/results/listen_latency.json.
 """
 
@@ -47,10 +47,11 @@ LONG_REPLY = (
 LOUD_RMS = 0.01
 
 
-def config_toml(barge_in: str) -> str:
+def config_toml(barge_in: str, transcribe: bool = True) -> str:
     return (
         '[server]\nport = 0\n[webrtc]\nloopback_only = true\n[engine]\nbackend = "piper"\n'
-        f'[listen]\nbarge_in = "{barge_in}"\n[logging]\nlevel = "WARNING"\n'
+        f'[listen]\nbarge_in = "{barge_in}"\ntranscribe = {str(transcribe).lower()}\n'
+        '[logging]\nlevel = "WARNING"\n'
     )
 
 
@@ -159,14 +160,15 @@ async def latency(mode: str, trials: int, pcm: np.ndarray, onset_s: float) -> li
 
 async def cpu_window(kind: str, calls: int, seconds: float, speech: np.ndarray) -> float:
     """Server CPU % of one core per call for `calls` calls of `kind` held open `seconds`."""
-    with served(config_toml("speech")) as (url, pid):
+    with served(config_toml("speech", transcribe=kind != "mic speaking, no transcripts")) as (url, pid):
         async with aiohttp.ClientSession() as http:
             peers: list[Any] = []
             for _ in range(calls):
                 if kind == "send-only":
                     peer: Any = HttpPeer(http, url)
                 else:
-                    mic = ClipTrack(speech if kind == "mic speaking" else np.zeros(16000, np.float32), True)
+                    speaking = kind.startswith("mic speaking")
+                    mic = ClipTrack(speech if speaking else np.zeros(16000, np.float32), True)
                     peer = MicPeer(http, url, mic)
                 await peer.connect()
                 peers.append(peer)
@@ -189,7 +191,7 @@ async def main_async(args: argparse.Namespace) -> None:
     speech, _ = caller_clip([QUESTION, 0.6])
     cpu: dict[str, list[float]] = {}
     for _ in range(args.cpu_runs):
-        for kind in ("send-only", "mic silent", "mic speaking"):
+        for kind in ("send-only", "mic silent", "mic speaking, no transcripts", "mic speaking"):
             value = await cpu_window(kind, args.calls, args.cpu_seconds, speech)
             cpu.setdefault(kind, []).append(value)
             print(f"  cpu {kind}: {value:.1f} % of a core per call", flush=True)

@@ -21,7 +21,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,7 @@ from voicertc.listen.vad import SpeechStarted, SpeechStopped, VadStateMachine
 logger = logging.getLogger(__name__)
 
 FRAME_SAMPLES = 320  # 20 ms at 16 kHz: what readers get
+PCM_BATCH_FRAMES = 10  # with nobody reading, frames hop to the loop's buffer 200 ms at a time
 MAX_QUEUED_FRAMES = 100  # frames waiting for the listen thread (2 s at 20 ms); oldest dropped beyond
 MAX_GAP_S = 1.0  # a pts jump larger than this restarts the timeline instead of filling silence
 HISTORY_SLACK_MS = 300.0
@@ -80,6 +81,8 @@ class ListenThread:
         self._pos = 0  # 16 kHz samples on the timeline so far
         self._window = np.zeros(0, dtype=np.int16)
         self._out = np.zeros(0, dtype=np.int16)  # converted samples not yet posted as a whole frame
+        self._pcm_unposted: list[np.ndarray] = []  # whole frames waiting to hop to the loop
+        self.live_readers = 0  # set on the loop: readers of the PCM now (frames then hop one by one)
         self._vad_pos = 0  # timeline sample where `_window` starts
         self._history: deque[tuple[int, np.ndarray]] = deque()  # (start sample, float32 pcm)
         self._segment = 0
@@ -155,8 +158,11 @@ class ListenThread:
         self._pos += out.size
         self._out = np.concatenate((self._out, out)) if self._out.size else out
         while self._out.size >= FRAME_SAMPLES:
-            self._post("pcm", self._out[:FRAME_SAMPLES].copy())
+            self._pcm_unposted.append(self._out[:FRAME_SAMPLES].copy())
             self._out = self._out[FRAME_SAMPLES:]
+        if self._pcm_unposted and (self.live_readers or len(self._pcm_unposted) >= PCM_BATCH_FRAMES):
+            self._post("pcm", self._pcm_unposted)
+            self._pcm_unposted = []
         if self._transcriber is not None:  # segments' audio is kept for Whisper only
             self._history.append((start, out.astype(np.float32) * (1.0 / 32768.0)))
         self._run_vad(out)
@@ -340,10 +346,20 @@ class CallListener:
 
     # --- results on the loop ----------------------------------------------------------------------
 
-    def _on_pcm(self, pcm: np.ndarray) -> None:
-        self.buffer.push(pcm)
-        for tap in self._taps:
-            self._tap_drops += tap.push(pcm)
+    def _on_pcm(self, frames: list[np.ndarray]) -> None:
+        for pcm in frames:
+            self.buffer.push(pcm)
+            for tap in self._taps:
+                self._tap_drops += tap.push(pcm)
+
+    async def frames(self) -> AsyncIterator[np.ndarray]:
+        """The call's inbound buffer as it fills (one reader at a time), until the listener closes."""
+        self.thread.live_readers += 1
+        try:
+            while (frame := await self.buffer.get()) is not None:
+                yield frame
+        finally:
+            self.thread.live_readers -= 1
 
     def _on_started(self, event: SpeechStarted) -> None:
         self.speech_segments += 1
@@ -400,11 +416,13 @@ class CallListener:
             buffer.close()
         else:
             self._taps.append(buffer)
+            self.thread.live_readers += 1
         return buffer
 
     def untap(self, buffer: InboundBuffer) -> None:
         if buffer in self._taps:
             self._taps.remove(buffer)
+            self.thread.live_readers -= 1
         buffer.close()
 
     @property

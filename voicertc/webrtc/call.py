@@ -299,8 +299,7 @@ class Call:
             listening.cancel()
         if self.listener is None:
             return
-        buffer = self.listener.buffer
-        while (frame := await buffer.get()) is not None:
+        async for frame in self.listener.frames():
             yield frame
 
     # --- events -----------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ and attention is chunk-causal, so new frames need only the `EstimatorCache` of e
 conv's last 30 input frames, each block's keys/values), exactly as for CosyVoice2 (`RowBatch`).
 
 Rotary: positions are absolute frame indices of the utterance (prompt included); the stored
-`rotary_embed.inv_freq` buffer is part of `flow.pt` and used as loaded.
+`rotary_embed.inv_freq` buffer is part of `flow.pt` and used as loaded, in float32 at any model dtype.
 """
 
 from __future__ import annotations
@@ -183,19 +183,32 @@ class DiTBlock(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """x-transformers' RotaryEmbedding: only the (checkpointed) `inv_freq` buffer."""
+    """x-transformers' RotaryEmbedding: only the (checkpointed) `inv_freq` buffer.
 
-    inv_freq: Tensor  # registered buffer
+    The angles are computed in float32 whatever the model's dtype, and `inv_freq` stays float32 when
+    the module is cast (`_apply`): in bfloat16 the positions past 256 frames are not representable
+    (600, 601 and 602 are one number) and a bf16 `inv_freq` moves the angle at frame 600 by radians.
+    The caller casts cos/sin to the model's dtype (`DiT.rope`)."""
+
+    inv_freq: Tensor  # registered buffer, float32
 
     def __init__(self, dim_head: int) -> None:
         super().__init__()
         inv_freq = 1.0 / (10000 ** (torch.arange(0, dim_head, 2).float() / dim_head))
         self.register_buffer("inv_freq", inv_freq)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> RotaryEmbedding:
+        exact = self.inv_freq
+        super()._apply(fn, recurse)
+        if exact.dtype == torch.float32 and self.inv_freq.dtype != torch.float32:
+            self.inv_freq = exact.to(device=self.inv_freq.device)  # moved, never rounded
+        return self
+
     def cos_sin(self, start: int, frames: int) -> tuple[Tensor, Tensor]:
-        # -> cos, sin: [T, dim_head] for absolute positions start..start+frames-1 (pairs interleaved)
-        positions = torch.arange(start, start + frames, device=self.inv_freq.device).to(self.inv_freq.dtype)
-        freqs = positions[:, None] * self.inv_freq[None, :]
+        # -> cos, sin: [T, dim_head] float32 for absolute positions start..start+frames-1 (pairs interleaved)
+        inv_freq = self.inv_freq.float()
+        positions = torch.arange(start, start + frames, device=inv_freq.device, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
         freqs = torch.stack((freqs, freqs), dim=-1).flatten(-2)
         return freqs.cos(), freqs.sin()
 

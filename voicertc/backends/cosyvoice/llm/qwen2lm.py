@@ -405,7 +405,11 @@ def build_llm(
         module = (cls or Qwen2LM)(config)
     check_state_dict(module, state_dict, source_name)
     module = module.to_empty(device=device)
+    load_llm_state_dict(module, state_dict, source_name)
+    module = module.to(dtype=dtype).eval().requires_grad_(False)
+    # built after the cast: its inverse frequencies stay float32 (transformers computes the angles in
+    # float32 from them and casts cos/sin to the activations' dtype); cast to bf16 they move the
+    # angle at position 600 by 0.2 rad
     backbone = module.llm.model.model
     backbone.rotary_emb = Qwen2RotaryEmbedding(config=backbone.config).to(device)
-    load_llm_state_dict(module, state_dict, source_name)
-    return module.to(dtype=dtype).eval().requires_grad_(False)
+    return module

@@ -169,3 +169,14 @@ def test_vocoder_rows_batch_across_utterances_as_alone(model, monkeypatch):
     assert len(together["a"]) == len(alone["a"]) > 0
     np.testing.assert_allclose(together["a"], alone["a"], atol=1e-5, rtol=0)
     assert not np.allclose(together["a"][: len(together["b"])], together["b"][: len(together["a"])])
+
+
+def test_the_warm_up_is_cosyvoice2s_with_v3s_prompt(model):
+    """One warm-up for both versions: the captured stages' buckets (CUDA graphs) are warmed before the
+    engine says ready for v3 too (its own warm-up once skipped them: tests/test_gpu_captured.py checks
+    the captures on CUDA); only the prefilled ids differ."""
+    from voicertc.backends.cosyvoice.serve.backend import CosyVoice2Backend
+
+    assert CosyVoice3Backend.warm_up is CosyVoice2Backend.warm_up
+    assert CosyVoice3Backend.warm_up_prompt_ids[0] == ENDOFPROMPT_ID
+    _backend(model).warm_up()  # on CPU: one LLM step on the v3 layout, one flow + vocoder chunk

@@ -121,3 +121,32 @@ def test_thirty_two_utterances_at_once_complete(captured_engine):
         assert [type(e) for e in log.of(uid)] == [FirstAudio, Done], uid
         pcm = sink.samples(uid)
         assert pcm.size > 0 and np.isfinite(pcm).all()
+
+
+def test_cosyvoice3_captures_its_buckets_before_ready_and_speaks(tmp_path):
+    """v3 warms the same captured stages as v2 before the engine says ready (it once skipped them and
+    captured every bucket on first use, in the first callers' time to first audio)."""
+    from bench.make_tiny_cv3_model_dir import make_tiny_cv3_model_dir
+
+    model_dir = make_tiny_cv3_model_dir(tmp_path / "cv3")
+    config = Config(
+        engine=EngineConfig(
+            backend="cosyvoice3", model_dir=str(model_dir), device="cuda", dtype="bfloat16",
+            cuda_graphs=True, voices_dir=str(tmp_path), max_batch=4,
+        )
+    )  # fmt: skip
+    engine = create_engine(config)
+    engine.start()
+    try:
+        backend = engine.backend
+        warmed = backend.captured.stats()
+        assert warmed["flow"].failed is None and warmed["flow"].captures > 0
+        log, sink = EventLog(), RecordingSink()
+        uid = engine.say(SFT_VOICE, sink, log, "Hello there, CosyVoice3 is captured too.")
+        log.wait_terminal([uid], timeout_s=120)
+        assert [type(e) for e in log.of(uid)] == [FirstAudio, Done]
+        pcm = sink.samples(uid)
+        assert pcm.size > 0 and np.isfinite(pcm).all()
+        assert backend.captured.stats()["flow"].replays > 0
+    finally:
+        engine.stop()

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from voicertc.backends.cosyvoice.llm.graphs import CAPTURE_ERROR_MODE
+
 logger = logging.getLogger(__name__)
 
 Outputs = tuple[Tensor, ...]
@@ -69,7 +71,7 @@ class CudaCapture:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=CAPTURE_ERROR_MODE):
             outputs = step()
 
         def replay() -> Outputs:

@@ -23,6 +23,11 @@ from voicertc.backends.cosyvoice.llm.kv import KVSlot, SlotKV
 
 logger = logging.getLogger(__name__)
 
+# every capture of the wing (decode graphs here, the flow and HiFT steps in accel/captured.py): another
+# thread's CUDA work during a capture (the threaded LLM's decode) neither invalidates it nor fails in
+# that thread ("global", torch's default, forbids it process-wide)
+CAPTURE_ERROR_MODE = "thread_local"
+
 
 def batch_buckets(max_rows: int) -> tuple[int, ...]:
     """1, 2, 4, ... up to the first power of two >= max_rows."""
@@ -146,7 +151,7 @@ class DecodeGraphs:
                 self._forward(step)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
+        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode=CAPTURE_ERROR_MODE):
             step.logits = self._forward(step)
         step.graph = graph
         self.captures += 1

@@ -219,9 +219,12 @@ class CosyVoice2Backend:
     def delete_voice(self, voice_id: str) -> None:
         self.book.delete(voice_id)
 
+    warm_up_prompt_ids: tuple[int, ...] = (0, 1, 2)  # the warm-up's one LLM step prefills these
+
     def warm_up(self) -> None:
-        """Engine thread, before the engine reports ready: one LLM step and one flow + vocoder chunk on
-        a prompt-free voice, so kernels, allocators and caches are set up before the first caller."""
+        """Engine thread, before the engine reports ready: the captured stages' buckets (CUDA graphs),
+        one LLM step and one flow + vocoder chunk on a prompt-free voice, so kernels, allocators and
+        caches are set up before the first caller (both versions)."""
         started = time.perf_counter()
         bins, dim = self.model.flow.cfg.mel_bins, self.model.flow.cfg.spk_embed_dim
         voice = voice_from_features(
@@ -236,7 +239,8 @@ class CosyVoice2Backend:
                 self.captured.warm(self.schedule, self.options.graph_warm_keys, self.model.device, dtype)
             slot = self.kv.acquire()
             try:
-                self.model.llm.step(self.model.llm.prefill([0, 1, 2], sampling="greedy", kv=slot))
+                prompt = list(self.warm_up_prompt_ids)
+                self.model.llm.step(self.model.llm.prefill(prompt, sampling="greedy", kv=slot))
             finally:
                 slot.release()
             t2w = token2wav_stream(self.model, voice, self.schedule, pcm_to_host=self.lane.to_host)
@@ -245,7 +249,7 @@ class CosyVoice2Backend:
                 t2w.finish()
             finally:
                 t2w.release()
-        logger.info("cosyvoice2 warmed up in %.0f ms", 1000 * (time.perf_counter() - started))
+        logger.info("%s warmed up in %.0f ms", self.name, 1000 * (time.perf_counter() - started))
         if self.captured is not None:
             self.captured.log_summary()
 

@@ -15,11 +15,8 @@ KV cache, the batched flow estimator, the per-utterance state and its pure `plan
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-
-import torch
 
 from voicertc.backends.cosyvoice.llm.v3 import ENDOFPROMPT_ID
 from voicertc.backends.cosyvoice.load import load_v3 as load
@@ -34,10 +31,9 @@ from voicertc.backends.cosyvoice.serve.backend import (
 from voicertc.backends.cosyvoice.serve.device_lane import resolve_device
 from voicertc.backends.cosyvoice.serve.modes import LlmPrompt, llm_prompt
 from voicertc.backends.cosyvoice.serve.state import Cv2State
-from voicertc.backends.cosyvoice.serve.streams import token2wav_stream
 from voicertc.backends.cosyvoice.serve.token2wav_v3 import vocode_batch_v3
 from voicertc.backends.cosyvoice.voice.text_v3 import DEFAULT_SYSTEM_PROMPT, ENDOFPROMPT
-from voicertc.backends.cosyvoice.voice.voices import Voice, voice_from_features
+from voicertc.backends.cosyvoice.voice.voices import Voice
 from voicertc.config import Config
 from voicertc.engine.backend import StepResult, SynthStep
 from voicertc.engine.schedule import ChunkSchedule
@@ -78,29 +74,9 @@ class CosyVoice3Backend(CosyVoice2Backend):
     model: CosyVoice3Model
     state_class = Cv3State
 
-    def warm_up(self) -> None:
-        """One LLM step and one flow + vocoder chunk before the engine reports ready (as CosyVoice2)."""
-        started = time.perf_counter()
-        flow = self.model.flow.cfg
-        voice = voice_from_features(
-            self.model, torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, flow.mel_bins),
-            torch.zeros(1, flow.spk_embed_dim), voice_id="warm-up", kind="sft",
-        )  # fmt: skip
-        with self.lane.compute():
-            slot = self.kv.acquire()
-            try:
-                self.model.llm.step(
-                    self.model.llm.prefill([ENDOFPROMPT_ID, 0, 1], sampling="greedy", kv=slot)
-                )
-            finally:
-                slot.release()
-            t2w = token2wav_stream(self.model, voice, self.schedule, pcm_to_host=self.lane.to_host)
-            try:
-                t2w.push([0] * (self.schedule.first_hop_tokens + self.schedule.lookahead_tokens))
-                t2w.finish()
-            finally:
-                t2w.release()
-        logger.info("cosyvoice3 warmed up in %.0f ms", 1000 * (time.perf_counter() - started))
+    # the warm-up (CosyVoice2's: the captured stages, one LLM step, one flow + vocoder chunk) prefills
+    # v3's prompt layout
+    warm_up_prompt_ids = (ENDOFPROMPT_ID, 0, 1)
 
     def llm_prompt(self, voice: Voice, instruct: str) -> LlmPrompt:
         return v3_prompt(voice, instruct, self.model.text_frontend.encode)

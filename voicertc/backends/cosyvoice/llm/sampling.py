@@ -140,9 +140,17 @@ def draw_rows(
         if mode == "greedy":
             picks.append(logp[b].argmax().reshape(1))
         else:
-            pick = torch.multinomial(weights[b], 1, replacement=True, generator=generators[b])
-            picks.append(ids_sorted[b, pick])
+            picks.append(ids_sorted[b, draw_one(weights[b], generators[b])])
     return torch.cat(picks)
+
+
+def draw_one(weights: Tensor, generator: torch.Generator | None) -> Tensor:
+    """`torch.multinomial(weights, 1)` for non-negative `weights` [V] without its validity checks (two
+    host syncs on CUDA per call): the draw ATen makes for one sample, an Exp(1) variate per entry and
+    the argmax of weight / variate, so the same generator state gives the same id and the same next
+    state (`tests/test_draw_one.py`). -> [1] index into `weights`."""
+    q = torch.empty_like(weights).exponential_(1, generator=generator)
+    return (weights / q).argmax(dim=-1, keepdim=True)
 
 
 def ras_repeats(token: int, decoded_tokens: list[int], params: SamplingParams) -> bool:

@@ -10,8 +10,10 @@ by every captured stage (`GraphBudget`, `[engine] graph_memory_mb`); a call that
 bucket would pass the budget, is refused (`run` returns None) and the caller runs it eagerly, counted.
 
 `capture` turns a step on static buffers into its replay: a `CudaCapture` on CUDA (every bucket's graph
-in one private memory pool: replays are sequential on the engine thread and each call's outputs are
-cloned before the next replay, so the graphs' intermediates may share memory); `run_eagerly` (the same
+in one private memory pool: replays are sequential on the engine thread, a step writes its results into
+static output buffers and each call's outputs are cloned before the next replay, so what a graph
+allocates is an intermediate that the other graphs' replays may reuse, and the pool costs about the
+largest bucket's working set rather than every bucket's outputs); `run_eagerly` (the same
 static step, not captured) on CPU, where the tests prove static == eager. A step that fails to capture
 (an op that syncs with the host, say) turns its stage eager for good, logged once and counted: the
 engine keeps speaking.
@@ -20,6 +22,7 @@ engine keeps speaking.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -152,6 +155,10 @@ class StaticSteps:
         # bucket at least as large in every dimension (inputs are copied in right before each replay,
         # and replays are sequential), so the buffers cost the largest bucket's inputs, not their sum
         self._buffers: dict[tuple[int, tuple[int, ...], torch.dtype], Tensor] = {}
+        # static outputs likewise (outputs are cloned right after each replay): the step writes its
+        # results into them, so what it allocates is an intermediate the graphs' shared pool reuses,
+        # instead of every bucket's outputs held in the pool for the life of its graph
+        self._out_buffers: dict[tuple[int, tuple[int, ...], torch.dtype], Tensor] = {}
 
     def run(self, padded_rows: int, inputs: Sequence[Tensor]) -> Outputs | None:
         """The step's outputs for `inputs` (their real rows), or None: not captured (run it eagerly)."""
@@ -172,9 +179,12 @@ class StaticSteps:
             out.narrow(dim, 0, rows).clone() for out, dim in zip(outputs, self.out_row_dims, strict=True)
         )
 
-    def _view(self, position: int, shape: list[int], like: Tensor) -> Tensor | None:
-        """A view of shape `shape` into a static buffer of this input position that holds it."""
-        for (i, held, dtype), buffer in self._buffers.items():
+    def _view(
+        self, position: int, shape: list[int], like: Tensor, buffers: dict | None = None
+    ) -> Tensor | None:
+        """A view of shape `shape` into a static buffer of this position (of `buffers`: the inputs'
+        by default) that holds it."""
+        for (i, held, dtype), buffer in (self._buffers if buffers is None else buffers).items():
             if i == position and dtype == like.dtype and len(held) == len(shape):
                 if buffer.device == like.device and all(h >= n for h, n in zip(held, shape, strict=True)):
                     return buffer[tuple(slice(0, n) for n in shape)]
@@ -188,25 +198,37 @@ class StaticSteps:
                 buffer.narrow(dim, rows, padded_rows - rows).zero_()
 
     def _make(self, key: Hashable, padded_rows: int, like: Sequence[Tensor]) -> _Bucket | None:
-        static, new = [], []
+        held: list[Tensor | None] = []
+        missing: list[tuple[int, list[int], Tensor]] = []  # (position, shape, like): buffers to make
         for i, (value, dim) in enumerate(zip(like, self.in_row_dims, strict=True)):
             shape = list(value.shape)
             shape[dim] = padded_rows
             buffer = self._view(i, shape, value)
             if buffer is None:
-                buffer = value.new_zeros(shape)
-                new.append(((i, tuple(shape), value.dtype), buffer))
-            static.append(buffer)
-        size = int(self.pool_factor * sum(t.numel() * t.element_size() for _, t in new))
-        if not self.budget.take(size):
+                missing.append((i, shape, value))
+            held.append(buffer)
+        new_bytes = sum(math.prod(shape) * value.element_size() for _, shape, value in missing)
+        size = int(self.pool_factor * new_bytes)
+        if not self.budget.take(size):  # before anything is allocated: past the budget is eager, not OOM
             return None
-        self._buffers.update(new)
+        for i, shape, value in missing:
+            held[i] = self._buffers[(i, tuple(shape), value.dtype)] = value.new_zeros(shape)
+        static = [buffer for buffer in held if buffer is not None]
         # capture on this call's inputs: a shared buffer may hold another bucket's (e.g. indices past
         # this bucket's frames), and the warm-up runs of a capture compute on them
         self._load(static, like, like[0].shape[self.in_row_dims[0]], padded_rows)
         started = time.perf_counter()
         try:
-            replay = self.capture(lambda: self.fn(*static))
+            outputs, out_bytes = self._static_outputs(self.fn(*static))  # one eager run: their shapes
+            size += out_bytes
+            self.budget.used_bytes += out_bytes
+
+            def step() -> Outputs:
+                for out, result in zip(outputs, self.fn(*static), strict=True):
+                    out.copy_(result)
+                return outputs
+
+            replay = self.capture(step)
         except Exception as exc:  # noqa: BLE001 - an uncapturable step: eager from now on, said once
             self.budget.used_bytes -= size
             self.stats.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -221,6 +243,19 @@ class StaticSteps:
         self._buckets[key] = bucket = _Bucket(static, replay)
         logger.info("%s captured for %s (%.1f MB, %.0f ms)", self.name, key, size / 2**20, 1000 * seconds)
         return bucket
+
+    def _static_outputs(self, results: Outputs) -> tuple[Outputs, int]:
+        """Static buffers (views of shared ones, as for inputs) shaped like a step's `results`, and the
+        bytes newly allocated for them."""
+        outputs, allocated = [], 0
+        for i, result in enumerate(results):
+            buffer = self._view(i, list(result.shape), result, self._out_buffers)
+            if buffer is None:
+                buffer = torch.zeros_like(result, memory_format=torch.contiguous_format)
+                self._out_buffers[(i, tuple(result.shape), result.dtype)] = buffer
+                allocated += buffer.numel() * buffer.element_size()
+            outputs.append(buffer)
+        return tuple(outputs), allocated
 
 
 def _shape_without(x: Tensor, dim: int) -> tuple[int, ...]:

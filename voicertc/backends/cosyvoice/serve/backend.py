@@ -85,6 +85,10 @@ SAMPLE_RATE_HZ = 24000
 # such a call covers up to `speed_window_tokens`, so one step of it costs about what a streaming chunk's
 # ten steps do, and a cancel or another call's unit lands between them.
 WINDOW_EULER_STEPS = 1
+# LLM positions per slot preallocated when the decode graphs are captured: growing the slot cache moves
+# it, and every decode graph is captured again (mid-load, in other calls' time); 2048 holds a prompt and
+# a long segment (~12 KB a position a slot in bf16 on the 0.5B model: 0.4 GB for 17 slots)
+GRAPH_KV_CAPACITY = 2048
 
 
 @dataclass(frozen=True)
@@ -133,10 +137,11 @@ class CosyVoice2Backend:
         self.book = VoiceBook(model, VoiceStore(voices_dir) if voices_dir else None)
         self.voice_book: BackendVoiceBook | None = self  # register_clip / voice_infos / delete_voice
         self.lane = DeviceLane(model.device)
-        slots = self.options.kv_slots
-        if self.options.cuda_graphs:  # every bucket's rows + the graphs' scratch row, without growing
-            slots = max(slots, self.options.graph_rows + 1)
-        self.kv = SlotKV(model.llm.llm.model.model, slots, self.options.kv_capacity)
+        slots, capacity = self.options.kv_slots, self.options.kv_capacity
+        if self.options.cuda_graphs:  # every bucket's rows + the graphs' scratch row, without growing;
+            slots = max(slots, self.options.graph_rows + 1)  # positions enough for a long segment
+            capacity = max(capacity, GRAPH_KV_CAPACITY)  # (a reallocation re-captures every graph)
+        self.kv = SlotKV(model.llm.llm.model.model, slots, capacity)
         self.graphs = self._decode_graphs()
         self.captured = self._captured_steps()
         # the vocoder's excitation draws: on the GPU in the GPU serving mode, on the host (the reference's

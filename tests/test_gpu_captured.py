@@ -80,18 +80,24 @@ def test_hift_replays_equal_the_eager_decode_on_cuda(tiny_model_dir, golden_dir)
         assert (g - e).abs().max().item() <= 1e-4
 
 
-@pytest.fixture(scope="module")
-def captured_engine(tiny_model_dir, golden_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("captured")
-    model_dir = build_speaking_model_dir(tiny_model_dir, golden_dir, tmp / "cv2")
+def started_captured_engine(backend: str, model_dir, voices_dir, max_batch: int):
+    """An engine on CUDA in bfloat16 with every stage captured, started (warm-up done)."""
     config = Config(
         engine=EngineConfig(
-            backend="cosyvoice2", model_dir=str(model_dir), device="cuda", dtype="bfloat16",
-            cuda_graphs=True, voices_dir=str(tmp), max_batch=16,
+            backend=backend, model_dir=str(model_dir), device="cuda", dtype="bfloat16",
+            cuda_graphs=True, voices_dir=str(voices_dir), max_batch=max_batch,
         )
     )  # fmt: skip
     engine = create_engine(config)
     engine.start()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def captured_engine(tiny_model_dir, golden_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("captured")
+    model_dir = build_speaking_model_dir(tiny_model_dir, golden_dir, tmp / "cv2")
+    engine = started_captured_engine("cosyvoice2", model_dir, tmp, max_batch=16)
     yield engine
     engine.stop()
 
@@ -128,15 +134,7 @@ def test_cosyvoice3_captures_its_buckets_before_ready_and_speaks(tmp_path):
     captured every bucket on first use, in the first callers' time to first audio)."""
     from bench.make_tiny_cv3_model_dir import make_tiny_cv3_model_dir
 
-    model_dir = make_tiny_cv3_model_dir(tmp_path / "cv3")
-    config = Config(
-        engine=EngineConfig(
-            backend="cosyvoice3", model_dir=str(model_dir), device="cuda", dtype="bfloat16",
-            cuda_graphs=True, voices_dir=str(tmp_path), max_batch=4,
-        )
-    )  # fmt: skip
-    engine = create_engine(config)
-    engine.start()
+    engine = started_captured_engine("cosyvoice3", make_tiny_cv3_model_dir(tmp_path / "cv3"), tmp_path, 4)
     try:
         backend = engine.backend
         warmed = backend.captured.stats()

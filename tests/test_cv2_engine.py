@@ -125,14 +125,14 @@ def test_cancel_frees_every_cache(model, golden_dir, monkeypatch):
 @pytest.mark.expected_errors("injected flow failure")
 def test_flow_failure_fails_only_its_utterance(model, golden_dir, monkeypatch):
     """The golden voice's flow steps raise; the sft voice's utterance streams on to the end."""
-    original = model.flow.stream_step_batch
+    original = model.flow.start_stream_batch
 
     def faulty(new_tokens, states, finalize):
         if any(s.prompt_feat.shape[1] == 34 for s in states):
             raise RuntimeError("injected flow failure")
         return original(new_tokens, states, finalize)
 
-    monkeypatch.setattr(model.flow, "stream_step_batch", faulty)
+    monkeypatch.setattr(model.flow, "start_stream_batch", faulty)
     streams = _track_streams(model, monkeypatch)
     backend = make_backend(model, golden_dir, max_segment_tokens=60)
     log, sinks = _run(backend, [("bad", GOLDEN_VOICE, LONG_TEXT), ("good", SFT_VOICE, LONG_TEXT)])

@@ -87,3 +87,12 @@ def test_a_starving_leader_is_never_held_back_for_a_partner():
     leader = job("leader", FlowChunk(28), queued_ms=120)
     near = job("near", Decode(until_chunk=1, chunk_advance=28), opened_s=1.0)
     assert names(form_batch([leader, near], max_batch=16, pull_tokens=8)) == ["leader"]
+
+
+def test_the_rest_of_a_started_chunk_batches_with_its_own_members_only_and_pulls_no_partner():
+    started = [job(n, FlowChunk(28, solve=7), opened_s=i) for i, n in enumerate(["m1", "m2"])]
+    fresh = job("fresh", FlowChunk(28), opened_s=0.5)  # same advance, not part of the started chunk
+    other = job("other", FlowChunk(28, solve=8), opened_s=0.7)  # another started chunk
+    near = job("near", Decode(until_chunk=1, chunk_advance=28), opened_s=3.0)
+    assert names(form_batch([*started, fresh, other, near], max_batch=16, pull_tokens=8)) == ["m1", "m2"]
+    assert names(form_batch([fresh, near], max_batch=16, pull_tokens=8)) == ["near"]  # a fresh one does

@@ -14,9 +14,10 @@ deadline, since serving it first cannot keep it fed and would starve the calls t
 
 Batches: the most urgent unit leads; every other unit with the same `batch_key` joins it, most urgent
 first, up to `max_batch` (all runnable LLM decodes in one forward; flow chunks that advance by the same
-number of tokens; vocoder runs across utterances). Pull-forward: when the leader is a flow chunk and some
-decoding utterance is at most `pull_tokens` tokens short of a chunk with the same advance, the decodes run
-first (the leader is not starving), so the chunks then run as one batch.
+number of tokens, or the rest of one started chunk; vocoder runs across utterances). Pull-forward: when the
+leader is a flow chunk to start and some decoding utterance is at most `pull_tokens` tokens short of a
+chunk with the same advance, the decodes run first (the leader is not starving), so the chunks then run
+as one batch.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def form_batch(candidates: Sequence[J], max_batch: int, pull_tokens: int = 0) ->
     ranked = sorted(candidates, key=lambda job: urgency(job.utt))
     leader = ranked[0]
     work = leader.work
-    if isinstance(work, FlowChunk) and not work.final and pull_tokens > 0 and urgency(leader.utt)[0] != 0:
+    if isinstance(work, FlowChunk) and _may_pull(work, pull_tokens) and urgency(leader.utt)[0] != 0:
         if any(_pullable(job, work.advance_tokens, pull_tokens) for job in ranked):
             decodes = [job for job in ranked if isinstance(job.work, Decode)]
             decodes.sort(key=lambda job: not _pullable(job, work.advance_tokens, pull_tokens))  # stable
@@ -86,6 +87,10 @@ def form_batch(candidates: Sequence[J], max_batch: int, pull_tokens: int = 0) ->
     if key is None:
         return [leader]
     return [job for job in ranked if batch_key(job.work) == key][: max(1, max_batch)]
+
+
+def _may_pull(work: FlowChunk, pull_tokens: int) -> bool:
+    return pull_tokens > 0 and not work.final and not work.solve  # a started chunk takes no partners
 
 
 def _pullable(job: Job[Any], advance: int, pull_tokens: int) -> bool:

@@ -8,7 +8,9 @@ does them together. Units are frozen values: equal units of different utterances
 * `Prefill`   start an LLM call on a new text segment;
 * `Decode`    LLM decode steps (batched across utterances; `until_chunk` / `chunk_advance` describe
   the flow chunk the decode is heading to, so the scheduler can pull a partner forward);
-* `FlowChunk` one flow chunk, advancing the flow state by `advance_tokens` (batched when equal);
+* `FlowChunk` one flow chunk, advancing the flow state by `advance_tokens` (batched when equal); a
+  chunk whose Euler steps do not fit in one engine step goes on in units that name its `solve`, which
+  batch with the chunk's other members only;
 * `Vocode`    HiFT for the mel a `FlowChunk` produced (batched across utterances of equal `frames`);
 * `Finish`    nothing left to synthesise: the utterance is done;
 * `Synth`     one whole step of a backend that does not split its work (Piper, the fake engine).
@@ -42,6 +44,7 @@ class Decode:
 class FlowChunk:
     advance_tokens: int
     final: bool = False
+    solve: int = 0  # != 0: the rest of a started chunk (its batch's number); 0: a chunk to start
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ def batch_key(work: Work) -> tuple[object, ...] | None:
     if isinstance(work, Decode):
         return ("decode",)
     if isinstance(work, FlowChunk):
-        return ("flow", work.advance_tokens, work.final)
+        return ("flow", work.advance_tokens, work.final, work.solve)
     if isinstance(work, Vocode):
         return ("vocode", work.frames)
     return None

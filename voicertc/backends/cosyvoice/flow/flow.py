@@ -204,6 +204,17 @@ class CausalFlow(nn.Module):
     ) -> list[Tensor]:
         """`stream_step` for several utterances at once; the estimator runs them as one batch. All
         must compute the same number of frames this call (same chunk length incl. pending prompt)."""
+        mels = self.advance_stream(self.start_stream_batch(new_tokens, states, finalize))
+        assert mels is not None
+        return mels
+
+    @torch.inference_mode()
+    def start_stream_batch(
+        self, new_tokens: list[Tensor], states: list[FlowStreamState], finalize: bool
+    ) -> StreamSolve:
+        """`stream_step_batch` in bounded parts: the encoder now (the states' encoder caches advance),
+        the Euler steps in `advance_stream` calls (each step appends to its own estimator caches, so
+        the parts together compute exactly what one call does)."""
         if len(new_tokens) != len(states) or not states:
             raise ValueError("stream_step_batch needs one token tensor per state (and at least one)")
         chunks = [
@@ -212,10 +223,21 @@ class CausalFlow(nn.Module):
         ]
         if len({c.tokens.shape[1] for c in chunks}) != 1:
             raise ValueError("stream_step_batch: every utterance must advance by the same number of tokens")
-        mels = self._run(chunks, chunk_masks=True)
-        for state in states:
-            state.finished = finalize
-        return mels
+        solve = self._start(chunks, chunk_masks=True) if chunks[0].tokens.shape[1] else None
+        return StreamSolve(solve, [c.drop_frames for c in chunks], states, finalize)
+
+    @torch.inference_mode()
+    def advance_stream(self, stream: StreamSolve, euler_steps: int | None = None) -> list[Tensor] | None:
+        """The next `euler_steps` of `stream` (None: all left); each state's mel [1, 80, F] once solved."""
+        solve = stream.solve
+        if solve is not None and not self.decoder.advance(solve, euler_steps):
+            return None
+        for state in stream.states:
+            state.finished = stream.finalize
+        if solve is None:
+            return [s.spks.new_zeros(1, self.cfg.mel_bins, 0) for s in stream.states]
+        mel = solve.x.float()
+        return [mel[i : i + 1, :, drop:] for i, drop in enumerate(stream.drop_frames)]
 
     # ----------------------------------------------------------------- internals
     def _check_tokens(self, tokens: Tensor, name: str) -> Tensor:
@@ -323,6 +345,17 @@ class CausalFlow(nn.Module):
         cond = torch.cat([self._cond(c.state, s, frames) for c, s in zip(chunks, starts, strict=True)], dim=0)
         spks = torch.cat([c.state.spks for c in chunks], dim=0)
         return noise, mu, spks, cond, [c.state.estimator for c in chunks], chunk_masks
+
+
+@dataclass
+class StreamSolve:
+    """A batched streaming flow chunk between its Euler steps (engine thread): what `advance_stream`
+    needs to go on and to cut each utterance's mel out of the batch at the end."""
+
+    solve: EulerSolve | None  # None: the chunk has no tokens (nothing to solve)
+    drop_frames: list[int]  # per utterance: leading frames that belong to the prompt
+    states: list[FlowStreamState]
+    finalize: bool
 
 
 @dataclass

@@ -3,12 +3,14 @@
 Runs on the engine worker thread (every method but `voices()`). `plan(utt)` names the utterance's next
 unit (`Cv2State.plan`, no side effects); `run(batch)` does a batch the scheduler formed:
 
-* `Decode`    up to `decode_burst` LLM steps for every row at once (`llm_batch.decode_batch` on the
-  static slot KV cache; each row samples with its own generator); a row leaves the burst when its next
-  chunk becomes ready, its LLM ends, or it waits for text;
+* `Decode`    up to `decode_burst` LLM steps for every row at once, fewer if another would pass
+  `[engine] max_step_ms` (`llm_batch.decode_batch` on the static slot KV cache; each row samples with
+  its own generator); a row leaves the burst when its next chunk becomes ready, its LLM ends, or it
+  waits for text;
 * `FlowChunk` one estimator batch of the rows `form_batch` gathered (at most `[engine] max_batch`) of
   equal advance (if it fails, each row is retried alone from a saved state, so only the utterance at
-  fault fails);
+  fault fails); its Euler steps go on in later units while another would pass `[engine] max_step_ms`
+  (`PendingFlow`: the same rows, continued together; split or not, the mel is the same bit for bit);
 * `Vocode`    one HiFT forward for every row of equal vocoder length (`hift_batch.vocode_batch`: per-row
   caches and generators; every row's device->host copy is queued before the first wait);
 * `Frontend` / `Prefill` / `Finish` one utterance at a time (cheap transitions).
@@ -19,6 +21,7 @@ per-utterance cache (KV slot, flow and HiFT state) is freed in `release`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import zlib
@@ -28,11 +31,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from voicertc.audio.decode import Clip
 from voicertc.backends.cosyvoice.accel.apply import apply_accel, vllm_export_dir
 from voicertc.backends.cosyvoice.accel.captured import CudaCapture, run_eagerly
-from voicertc.backends.cosyvoice.flow.flow import FlowStreamState
+from voicertc.backends.cosyvoice.flow.flow import FlowStreamState, StreamSolve
 from voicertc.backends.cosyvoice.hift.batch import vocode_batch
 from voicertc.backends.cosyvoice.hift.stream import HiftStreamState
 from voicertc.backends.cosyvoice.llm.batch import decode_batch
@@ -52,9 +56,10 @@ from voicertc.backends.cosyvoice.serve.captured_stages import (
 )
 from voicertc.backends.cosyvoice.serve.device_lane import DeviceLane, resolve_device
 from voicertc.backends.cosyvoice.serve.modes import LlmPrompt, llm_prompt
-from voicertc.backends.cosyvoice.serve.state import Cv2State, FlowedChunk
+from voicertc.backends.cosyvoice.serve.state import Cv2State, FlowedChunk, PendingFlow
+from voicertc.backends.cosyvoice.serve.step_budget import Clock, StepBudget, UnitClock
 from voicertc.backends.cosyvoice.serve.streams import token2wav_stream
-from voicertc.backends.cosyvoice.serve.token2wav import Chunk, Token2WavStream
+from voicertc.backends.cosyvoice.serve.token2wav import Chunk, ChunkPlan, Token2WavStream
 from voicertc.backends.cosyvoice.voice.text import SentenceStream, text_normalize
 from voicertc.backends.cosyvoice.voice.text_prep import (
     DEFAULT_CHUNK_CHARS,
@@ -111,6 +116,8 @@ class BackendOptions:
     text_workers: int = 0  # text preparation processes ([engine] text_workers; 0 = on the engine thread)
     prep_chars: int = DEFAULT_CHUNK_CHARS  # one text preparation job at most, in characters
     bistream_unit: str = "word"  # text deltas reach the LLM per completed word | sentence
+    max_step_ms: float = 0.0  # an engine unit's CPU time at most ([engine] max_step_ms; 0 = unbounded)
+    step_clock: Clock = time.thread_time  # what `max_step_ms` is measured with (tests inject one)
 
 
 Cv2Job = Job[Cv2State]
@@ -144,6 +151,8 @@ class CosyVoice2Backend:
         self.kv = SlotKV(model.llm.llm.model.model, slots, capacity)
         self.graphs = self._decode_graphs()
         self.captured = self._captured_steps()
+        self.budget = StepBudget(self.options.max_step_ms / 1000.0, self.options.step_clock)
+        self._solves = itertools.count(1)  # numbers of flow chunks solved across units (`FlowChunk.solve`)
         # the vocoder's excitation draws: on the GPU in the GPU serving mode, on the host (the reference's
         # bit-for-bit stream) otherwise
         self._hift_draws_device = model.device if self.options.cuda_graphs else torch.device("cpu")
@@ -497,6 +506,7 @@ class CosyVoice2Backend:
         Streamed rows take what their streamer sent (no model work) and leave when it is used up."""
         errors: dict[int, BaseException] = {}
         active = list(range(len(batch)))
+        clock = self.budget.start()
         for _ in range(self.options.decode_burst):
             local: list[int] = []
             still: list[int] = []
@@ -515,7 +525,7 @@ class CosyVoice2Backend:
             if local:
                 still += self._decode_local(batch, local, errors)
             active = sorted(still)
-            if not active:
+            if not active or not clock.another():
                 break
         return [errors.get(i, SynthStep(sample_rate_hz=SAMPLE_RATE_HZ)) for i in range(len(batch))]
 
@@ -582,15 +592,18 @@ class CosyVoice2Backend:
         return results
 
     def _flow_group(self, group: Sequence[Cv2Job]) -> list[StepResult]:
-        final = bool(getattr(group[0].work, "final", False))
-        whole = (final and self.schedule.final_chunk == "reference") or any(
+        work = group[0].work
+        assert isinstance(work, FlowChunk)
+        if work.solve:
+            return self._continue_flow(group)
+        whole = (work.final and self.schedule.final_chunk == "reference") or any(
             self._state(j).speed != 1.0 for j in group
         )  # the reference's full-attention last call, or a window of a non-streaming (speed) segment
         if whole and len(group) > 1:
             return [r for job in group for r in self._flow_group([job])]  # a whole-utterance recompute each
         try:
             t2ws = [self._t2w(job) for job in group]
-            plans = [t2w.plan(final=final) for t2w in t2ws]
+            plans = [t2w.plan(final=work.final) for t2w in t2ws]
             flow_states = [_flow_state(job, t2w) for job, t2w in zip(group, t2ws, strict=True)]
         except Exception as exc:  # noqa: BLE001 - a broken state: fail the members one by one
             if len(group) == 1:
@@ -603,15 +616,10 @@ class CosyVoice2Backend:
             if len(ready) != len(plans):
                 raise RuntimeError("flow chunk planned but not ready")
             if whole:
-                mel = t2ws[0].flow_mel_part(ready[0], euler_steps=WINDOW_EULER_STEPS)
-                if mel is None:  # a full-attention call between its Euler steps: the next unit goes on
-                    self._state(group[0]).window_flow_s += time.perf_counter() - started
-                    return [SynthStep(sample_rate_hz=SAMPLE_RATE_HZ)]
-                mels = [mel]
-            else:
-                mels = self.model.flow.stream_step_batch(
-                    [p.new_tokens for p in ready], flow_states, finalize=final
-                )
+                return self._window_part(group[0], t2ws[0], ready[0], started)
+            tokens = [p.new_tokens for p in ready]
+            stream = self.model.flow.start_stream_batch(tokens, flow_states, work.final)
+            mels = self._advance_flow(stream, self.budget.start())
         except Exception as exc:  # noqa: BLE001 - retried alone below (or the lone member fails)
             if len(group) == 1:
                 return [exc]
@@ -620,17 +628,76 @@ class CosyVoice2Backend:
             for t2w, state in zip(t2ws, saved, strict=True):
                 t2w.flow_state = state
             return [r for job in group for r in self._flow_group([job])]
-        flow_s = (time.perf_counter() - started) / len(group)
-        if whole:
-            flow_s += self._state(group[0]).window_flow_s
-            self._state(group[0]).window_flow_s = 0.0
-        if len(group) > 1:
-            self.stats["batches"] += 1
-            self.stats["batched_chunks"] += len(group)
-        for job, t2w, plan, mel in zip(group, t2ws, ready, mels, strict=True):
-            pieces = None if t2w.streaming else self.vocoder_piece_frames  # a speed window's long mel
-            self._state(job).flowed = FlowedChunk(plan, mel, flow_s, pieces)
+        members = [(self._state(job), t2w, plan) for job, t2w, plan in zip(group, t2ws, ready, strict=True)]
+        pending = PendingFlow(next(self._solves), stream, members, saved, time.perf_counter() - started)
+        if mels is None:  # the rest of its Euler steps in the next units
+            for st, _, _ in members:
+                st.flow_solve = pending
+        else:
+            self._hand_out(pending, mels)
         return [SynthStep(sample_rate_hz=SAMPLE_RATE_HZ) for _ in group]
+
+    def _advance_flow(self, stream: StreamSolve, clock: UnitClock) -> list[Tensor] | None:
+        """Euler steps of `stream` while another fits in this unit's budget (at least one)."""
+        while True:
+            mels = self.model.flow.advance_stream(stream, euler_steps=1)
+            if mels is not None or not clock.another():
+                return mels
+
+    def _continue_flow(self, group: Sequence[Cv2Job]) -> list[StepResult]:
+        """The next Euler steps of a started chunk (`group` holds some or all of its members)."""
+        pending = self._state(group[0]).flow_solve
+        if pending is None or any(self._state(job).flow_solve is not pending for job in group):
+            raise RuntimeError("a flow chunk continued without its started batch")
+        started = time.perf_counter()
+        try:
+            mels = self._advance_flow(pending.stream, self.budget.start())
+        except Exception as exc:  # noqa: BLE001 - every member starts its chunk again (or the lone one fails)
+            return self._restart_flow(pending, group, exc)
+        pending.flow_s += time.perf_counter() - started
+        if mels is not None:
+            self._hand_out(pending, mels)
+        return [SynthStep(sample_rate_hz=SAMPLE_RATE_HZ) for _ in group]
+
+    def _hand_out(self, pending: PendingFlow, mels: list[Tensor]) -> None:
+        """A solved chunk's mel to each member still holding its stream."""
+        rows = len(pending.members)
+        if rows > 1:
+            self.stats["batches"] += 1
+            self.stats["batched_chunks"] += rows
+        for (st, t2w, plan), mel in zip(pending.members, mels, strict=True):
+            if st.done or st.t2w is not t2w:
+                continue  # released while its chunk was being solved
+            st.flow_solve = None
+            st.flowed = FlowedChunk(plan, mel, pending.flow_s / rows)
+
+    def _restart_flow(
+        self, pending: PendingFlow, group: Sequence[Cv2Job], exc: Exception
+    ) -> list[StepResult]:
+        live = [(st, t2w) for st, t2w, _ in pending.members if st.flow_solve is pending]
+        for st, _ in live:
+            st.flow_solve = None
+        if not pending.saved:
+            return [exc for _ in group]  # the lone member fails
+        logger.warning("batched flow step failed; its %d utterances start the chunk again", len(live))
+        self.stats["batch_fallbacks"] += 1
+        for (st, t2w, _), state in zip(pending.members, pending.saved, strict=True):
+            if st.t2w is t2w and not st.done:
+                t2w.flow_state = state
+        return [r for job in group for r in self._flow_group([Job(job.utt, replace(job.work, solve=0))])]  # type: ignore[arg-type]
+
+    def _window_part(
+        self, job: Cv2Job, t2w: Token2WavStream, plan: ChunkPlan, started: float
+    ) -> list[StepResult]:
+        """One part of a full-attention flow call (`WINDOW_EULER_STEPS` Euler steps); its mel at the end."""
+        st = self._state(job)
+        mel = t2w.flow_mel_part(plan, euler_steps=WINDOW_EULER_STEPS)
+        st.window_flow_s += time.perf_counter() - started
+        if mel is not None:  # solved: a speed window's long mel goes to the vocoder in pieces
+            pieces = None if t2w.streaming else self.vocoder_piece_frames
+            st.flowed = FlowedChunk(plan, mel, st.window_flow_s, pieces)
+            st.window_flow_s = 0.0
+        return [SynthStep(sample_rate_hz=SAMPLE_RATE_HZ)]
 
     @property
     def vocoder_piece_frames(self) -> int:
@@ -765,6 +832,7 @@ def create_backend(config: Config) -> CosyVoice2Backend:
         max_segment_tokens=config.limits.max_speech_tokens_per_segment,
         text_workers=engine.text_workers,
         bistream_unit=engine.bistream_unit,
+        max_step_ms=engine.max_step_ms,
     )
     streamer = llm_streamer(model, engine)
     backend = CosyVoice2Backend(model, schedule, engine.voices_dir or None, options, streamer)

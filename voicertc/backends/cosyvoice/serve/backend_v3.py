@@ -146,7 +146,9 @@ def create_backend(config: Config) -> CosyVoice3Backend:
         final_chunk=s.final_chunk,  # type: ignore[arg-type]
     )
     options = BackendOptions(
-        max_segment_tokens=config.limits.max_speech_tokens_per_segment, bistream_unit=engine.bistream_unit
+        max_segment_tokens=config.limits.max_speech_tokens_per_segment,
+        bistream_unit=engine.bistream_unit,
+        max_step_ms=engine.max_step_ms,
     )
     backend = CosyVoice3Backend(model, schedule, engine.voices_dir or None, options)
     backend.warm_up()

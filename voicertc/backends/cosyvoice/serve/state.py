@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from voicertc.backends.cosyvoice.flow.flow import FlowStreamState, StreamSolve
 from voicertc.backends.cosyvoice.llm.bistream import BistreamSession
 from voicertc.backends.cosyvoice.llm.kv import KVSlot
 from voicertc.backends.cosyvoice.llm.qwen2lm import LlmSession
@@ -69,6 +70,24 @@ class FlowedChunk:
         return head, self.mel[:, :, :frames], replace(self, mel=self.mel[:, :, frames:], flow_s=0.0)
 
 
+@dataclass(eq=False)
+class PendingFlow:
+    """A flow chunk batched across `members` between its Euler steps (engine thread). Each member's next
+    unit continues it (`FlowChunk(solve=number)`: they batch with each other only), whichever of them
+    the scheduler runs; its last step hands every member still holding its stream the mel. A member
+    released meanwhile keeps its row in the batch (computed, then dropped)."""
+
+    number: int
+    stream: StreamSolve
+    members: list[tuple[Cv2State, Token2WavStream, ChunkPlan]]
+    saved: list[FlowStreamState]  # the members' flow states before the chunk (a failed step retries them)
+    flow_s: float = 0.0  # wall time of the units so far, for the whole batch
+
+    def unit(self) -> FlowChunk:
+        plan = self.members[0][2]
+        return FlowChunk(plan.advance_tokens, plan.final, solve=self.number)
+
+
 @dataclass
 class PendingText:
     """Raw text waiting to be prepared (normalised + tokenised) off the engine thread, in order. At most
@@ -106,7 +125,8 @@ class Cv2State:
     """Everything one utterance holds (KV slot, flow/HiFT caches, text); freed by `release()`.
 
     Invariants: at most one LLM session (`llm` for whole text, `bistream` for deltas) and one `t2w`
-    stream at a time; `flowed` is set between an utterance's `FlowChunk` and its `Vocode`.
+    stream at a time; `flow_solve` is set between the units of a flow chunk, `flowed` between its last
+    `FlowChunk` unit and its `Vocode`.
     """
 
     voice: Voice
@@ -125,6 +145,7 @@ class Cv2State:
     bistream: BistreamSession | None = None
     t2w: Token2WavStream | None = None
     flowed: FlowedChunk | None = None
+    flow_solve: PendingFlow | None = None  # set while a flow chunk of this utterance is between Euler steps
     window_flow_s: float = 0.0  # flow time of a full-attention call solved so far (its earlier units)
     done: bool = False
     started_s: float | None = None  # worker clock at the first unit
@@ -141,6 +162,7 @@ class Cv2State:
             self.t2w.release()
         self.t2w = None
         self.flowed = None
+        self.flow_solve = None
         self.segments = None
         self.done = True
 
@@ -182,6 +204,8 @@ class Cv2State:
             if hift is not None and hift.mel_cache is not None:
                 frames += hift.mel_cache.shape[2]
             return Vocode(frames=frames, final=self.flowed.plan.final and self.flowed.last_piece)
+        if self.flow_solve is not None:
+            return self.flow_solve.unit()
         if self.mode is None:
             return Frontend() if utt.input_ended or utt.text.strip() else None
         if self.pending.ready():

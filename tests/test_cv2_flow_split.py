@@ -1,0 +1,211 @@
+"""A streaming flow chunk split across engine steps under `[engine] max_step_ms` (issue 24, item 1).
+
+On a slow machine (the full-size model on CPU: ~0.5 s an Euler step) a chunk's ten Euler steps go on in
+later units, the batch's members continued together, and a decode burst stops early; the audio is what
+one-unit chunks make. A clock injected into the backend makes every step look like one second, so each
+unit makes exactly one Euler step (or one decode token) on the tiny model.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from cv2_engine_helpers import (
+    GOLDEN_VOICE,
+    SFT_VOICE,
+    build_speaking_model_dir,
+    golden_voice,
+    load_speaking_model,
+    make_backend,
+)
+from engine_helpers import EventLog, RecordingSink
+from safetensors.torch import load_file
+
+from voicertc.engine import Cancelled, Done
+from voicertc.engine.work import Decode, FlowChunk
+from voicertc.engine.worker import EngineWorker
+
+TEXT = "Zebras quietly jump over seven lazy dogs near Mount Vesuvius today."
+TOKENS = 100
+TOKEN_SAMPLES = 960
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir, golden_dir, tmp_path_factory):
+    return load_speaking_model(
+        build_speaking_model_dir(tiny_model_dir, golden_dir, tmp_path_factory.mktemp("split"))
+    )
+
+
+def one_second_steps():
+    """A clock that moves one second at every read: each unit predicts its next step at one second."""
+    ticks = itertools.count()
+    return lambda: float(next(ticks))
+
+
+class UnitLog:
+    """Per engine unit: its work, the rows in it, estimator forwards and LLM decode steps."""
+
+    def __init__(self, backend, model, monkeypatch) -> None:
+        self.units: list[tuple[object, int, int, int]] = []
+        self.on_unit = None
+        self._forwards = 0
+        self.remove = model.flow.decoder.estimator.register_forward_hook(self._count).remove
+        run = backend.run
+
+        def recorded(batch, now_s):
+            self._forwards, decodes_before = 0, backend.stats["decode_batches"]
+            results = run(batch, now_s)
+            decodes = backend.stats["decode_batches"] - decodes_before
+            self.units.append((batch[0].work, len(batch), self._forwards, decodes))
+            if self.on_unit is not None:
+                self.on_unit(batch)
+            return results
+
+        monkeypatch.setattr(backend, "run", recorded)
+
+    def _count(self, *_):
+        self._forwards += 1
+
+    def flows(self):
+        return [u for u in self.units if isinstance(u[0], FlowChunk)]
+
+
+@pytest.fixture
+def unit_log(model, monkeypatch):
+    logs: list[UnitLog] = []
+
+    def attach(backend) -> UnitLog:
+        logs.append(UnitLog(backend, model, monkeypatch))
+        return logs[-1]
+
+    yield attach
+    for log in logs:
+        log.remove()
+
+
+def speak(backend, jobs, on_start=None):
+    engine = EngineWorker(backend, default_voice=GOLDEN_VOICE, name="cv2-split")
+    log, sinks = EventLog(), {}
+    engine.start()
+    try:
+        if on_start is not None:
+            on_start(engine)
+        for uid, voice in jobs:
+            sinks[uid] = RecordingSink()
+            engine.open_utterance(voice, sinks[uid], log, utterance_id=uid)
+        for uid, _ in jobs:
+            engine.push_text(uid, TEXT, end=True)
+        log.wait_terminal([uid for uid, _ in jobs], timeout_s=300)
+    finally:
+        engine.stop()
+    return log, sinks
+
+
+def test_a_stream_chunk_solved_one_euler_step_at_a_time_equals_the_chunk_at_once(model, golden_dir):
+    tokens = load_file(golden_dir / "cv2_tts_tiny_flow_tiny_hift.safetensors")["in_token"]
+    assert tokens.shape[1] >= 61
+    voice = golden_voice(model, golden_dir)
+    flow, steps = model.flow, model.flow.cfg.n_timesteps
+    a, b = voice.flow_state.clone(), voice.flow_state.clone()
+    at_once = flow.stream_step_batch([tokens[:, :36], tokens[:, :36]], [a, b], finalize=False)
+    a2, b2 = voice.flow_state.clone(), voice.flow_state.clone()
+    stream = flow.start_stream_batch([tokens[:, :36], tokens[:, :36]], [a2, b2], finalize=False)
+    parts = [flow.advance_stream(stream, euler_steps=1) for _ in range(steps)]
+    assert all(p is None for p in parts[:-1]) and parts[-1] is not None
+    for split, whole in zip(parts[-1], at_once, strict=True):
+        assert torch.equal(split, whole)
+    for left, right in ((a, a2), (b, b2)):  # the caches the next chunk reads are the same too
+        assert left.frames == right.frames and left.encoder.tokens == right.encoder.tokens
+        nxt = flow.stream_step(tokens[:, 33:61], left, finalize=True)  # the lookahead again, then more
+        assert torch.equal(nxt, flow.stream_step(tokens[:, 33:61], right, finalize=True))
+
+
+def test_split_units_speak_what_whole_chunks_speak_and_each_makes_one_step(model, golden_dir, unit_log):
+    jobs = [("a", GOLDEN_VOICE), ("b", GOLDEN_VOICE), ("c", SFT_VOICE)]
+    whole = make_backend(model, golden_dir, max_segment_tokens=TOKENS)
+    _, sinks_whole = speak(whole, jobs)
+    split = make_backend(
+        model, golden_dir, max_segment_tokens=TOKENS, max_step_ms=1500, step_clock=one_second_steps()
+    )
+    log_units = unit_log(split)
+    log, sinks_split = speak(split, jobs)
+    for uid, _ in jobs:
+        assert isinstance(log.of(uid)[-1], Done)
+        a, b = sinks_split[uid].samples(uid), sinks_whole[uid].samples(uid)
+        assert a.size == b.size == TOKENS * TOKEN_SAMPLES
+        np.testing.assert_allclose(a, b, atol=2e-3, rtol=0)  # batch partners may differ: float32 rounding
+    flows = log_units.flows()
+    assert flows and max(forwards for _, _, forwards, _ in flows) == 1  # one Euler step per unit
+    chunks = sum(1 for work, rows, _, _ in flows if not work.solve for _ in range(rows))
+    assert sum(rows for _, rows, _, _ in flows) == chunks * model.flow.cfg.n_timesteps
+    assert any(rows > 1 and work.solve for work, rows, _, _ in flows)  # a batch continued together
+    assert split.stats["batched_chunks"] >= 2
+    decodes = [d for work, _, _, d in log_units.units if isinstance(work, Decode)]
+    assert decodes and max(decodes) == 1  # a decode burst stops after one token too
+
+
+def test_a_member_cancelled_mid_chunk_leaves_the_others_speaking(model, golden_dir, unit_log):
+    jobs = [("keep", GOLDEN_VOICE), ("cut", GOLDEN_VOICE)]
+    whole = make_backend(model, golden_dir, max_segment_tokens=TOKENS)
+    _, sinks_whole = speak(whole, jobs[:1])
+    split = make_backend(
+        model, golden_dir, max_segment_tokens=TOKENS, max_step_ms=1500, step_clock=one_second_steps()
+    )
+    log_units = unit_log(split)
+    engines = []
+    cancelled = []
+
+    def cancel_inside_a_shared_chunk(batch):
+        work = batch[0].work
+        if not cancelled and isinstance(work, FlowChunk) and work.solve and len(batch) == 2:
+            cancelled.append(work.solve)
+            engines[0].cancel("cut")
+
+    log_units.on_unit = cancel_inside_a_shared_chunk
+    log, sinks = speak(split, jobs, on_start=engines.append)
+    assert cancelled, "the two utterances never shared a split chunk"
+    assert isinstance(log.of("cut")[-1], Cancelled)
+    assert isinstance(log.of("keep")[-1], Done)
+    rest = [rows for work, rows, _, _ in log_units.flows() if work.solve == cancelled[0]]
+    assert rest[-1] == 1  # the chunk went on with its remaining member only
+    a, b = sinks["keep"].samples("keep"), sinks_whole["keep"].samples("keep")
+    assert a.size == b.size == TOKENS * TOKEN_SAMPLES
+    np.testing.assert_allclose(a, b, atol=2e-3, rtol=0)
+    assert split._active == {}
+
+
+def test_a_failed_step_inside_a_shared_chunk_starts_it_again_for_every_member(
+    model, golden_dir, monkeypatch
+):
+    jobs = [("a", GOLDEN_VOICE), ("b", GOLDEN_VOICE)]
+    whole = make_backend(model, golden_dir, max_segment_tokens=TOKENS)
+    _, sinks_whole = speak(whole, jobs)
+    split = make_backend(
+        model, golden_dir, max_segment_tokens=TOKENS, max_step_ms=1500, step_clock=one_second_steps()
+    )
+    original, failed = model.flow.advance_stream, []
+
+    def fails_once_mid_chunk(stream, euler_steps=None):
+        solve = stream.solve
+        if not failed and len(stream.states) == 2 and solve is not None and solve.step == 4:
+            failed.append(solve.step)
+            raise RuntimeError("injected Euler step failure")
+        return original(stream, euler_steps)
+
+    monkeypatch.setattr(model.flow, "advance_stream", fails_once_mid_chunk)
+    log, sinks = speak(split, jobs)
+    assert failed and split.stats["batch_fallbacks"] == 1
+    for uid, _ in jobs:
+        assert isinstance(log.of(uid)[-1], Done), log.of(uid)[-1]
+        a, b = sinks[uid].samples(uid), sinks_whole[uid].samples(uid)
+        assert a.size == b.size == TOKENS * TOKEN_SAMPLES
+        np.testing.assert_allclose(a, b, atol=2e-3, rtol=0)  # the restarted chunk: the same mel

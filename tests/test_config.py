@@ -113,6 +113,21 @@ def test_bad_acceleration_values_name_the_key(tmp_path, text, key):
         load_config(write(tmp_path, text))
 
 
+@pytest.mark.parametrize(
+    ("setting", "key"),
+    [
+        ("estimator = 'onnx'", "engine.estimator"),
+        ("llm = 'vllm'", "engine.llm"),
+        ("compile = true", "engine.compile"),
+    ],
+)
+def test_cosyvoice2_only_acceleration_is_refused_for_cosyvoice3(tmp_path, setting, key):
+    text = f"[engine]\nbackend = 'cosyvoice3'\nmodel_dir = '/m'\n{setting}\n"
+    with pytest.raises(ConfigError, match=rf"{key.replace('.', '[.]')}.*cosyvoice3"):
+        load_config(write(tmp_path, text))
+    load_config(write(tmp_path, text.replace("cosyvoice3", "cosyvoice2")))  # CosyVoice2 takes it
+
+
 def test_acceleration_defaults_are_exact_fp32_eager():
     engine = Config().engine
     paths = (engine.dtype, engine.estimator, engine.compile, engine.llm)

@@ -118,17 +118,34 @@ def test_zero_shot_voice_from_a_recording(model, tmp_path):
 
 
 def test_factory_builds_the_cosyvoice3_engine_from_config(model_dir, tmp_path):
+    """The factory takes CosyVoice2's `[engine]` keys (it once took two: `cuda_graphs` and `text_workers`
+    did nothing for v3); the text is prepared in a spawned process with v3's frontend."""
     from voicertc.assemble import create_engine
+    from voicertc.backends.cosyvoice.serve.backend import backend_options
+    from voicertc.backends.cosyvoice.voice.text_prep import ProcessTextPrep
     from voicertc.config import Config, EngineConfig
 
     config = Config(
-        engine=EngineConfig(backend="cosyvoice3", model_dir=str(model_dir), voices_dir=str(tmp_path))
-    )
+        engine=EngineConfig(
+            backend="cosyvoice3", model_dir=str(model_dir), voices_dir=str(tmp_path), text_workers=1,
+            max_step_ms=150, bistream_unit="sentence", max_batch=4, graph_memory_mb=64.0,
+        )
+    )  # fmt: skip
     engine = create_engine(config)
     engine.start()
     try:
-        assert isinstance(engine.backend, CosyVoice3Backend) and engine.backend.name == "cosyvoice3"
+        backend = engine.backend
+        assert isinstance(backend, CosyVoice3Backend) and backend.name == "cosyvoice3"
         assert engine.voices() == [SFT_VOICE]
+        options = backend.options
+        assert options == backend_options(config)
+        assert (options.text_workers, options.max_step_ms, options.bistream_unit) == (1, 150, "sentence")
+        assert (options.graph_rows, options.graph_memory_mb) == (4, 64.0)
+        assert isinstance(backend.text_prep, ProcessTextPrep)
+        log, sink = EventLog(), RecordingSink()
+        uid = engine.say(SFT_VOICE, sink, log, TEXT)
+        log.wait_terminal([uid], timeout_s=120)
+        assert isinstance(log.of(uid)[-1], Done) and sink.samples(uid).size > 0
     finally:
         engine.stop()
 

@@ -172,6 +172,10 @@ class EngineConfig:
             name = self.model_name
             _check(bool(self.model_dir), "engine.model_dir", f"is required for model {name}")
             _check(self.workers == 1, "engine.workers", f"must be 1 for {name} (one owner of the device)")
+        if self.model_name == "cosyvoice3":  # these paths exist for CosyVoice2's networks only
+            _check(self.estimator == "torch", "engine.estimator", "must be torch for cosyvoice3")
+            _check(self.llm == "torch", "engine.llm", "must be torch for cosyvoice3")
+            _check(not self.compile, "engine.compile", "is not supported for cosyvoice3")
 
 
 @dataclass(frozen=True)

@@ -809,6 +809,20 @@ def llm_streamer(model: CosyVoice2Model, engine: EngineConfig) -> SpeechTokenStr
     return None
 
 
+def backend_options(config: Config) -> BackendOptions:
+    """The `[engine]` / `[limits]` keys a CosyVoice backend (v2 or v3) takes from config.toml."""
+    engine = config.engine
+    return BackendOptions(
+        cuda_graphs=engine.cuda_graphs,
+        graph_rows=engine.max_batch,
+        graph_memory_mb=engine.graph_memory_mb,
+        max_segment_tokens=config.limits.max_speech_tokens_per_segment,
+        text_workers=engine.text_workers,
+        bistream_unit=engine.bistream_unit,
+        max_step_ms=engine.max_step_ms,
+    )
+
+
 def create_backend(config: Config) -> CosyVoice2Backend:
     """Load `config.engine.model_dir` on the configured device and wrap it as the engine backend."""
     engine = config.engine
@@ -825,17 +839,8 @@ def create_backend(config: Config) -> CosyVoice2Backend:
         grid_tokens=s.grid_tokens or None,
         final_chunk=s.final_chunk,  # type: ignore[arg-type]
     )
-    options = BackendOptions(
-        cuda_graphs=engine.cuda_graphs,
-        graph_rows=engine.max_batch,
-        graph_memory_mb=engine.graph_memory_mb,
-        max_segment_tokens=config.limits.max_speech_tokens_per_segment,
-        text_workers=engine.text_workers,
-        bistream_unit=engine.bistream_unit,
-        max_step_ms=engine.max_step_ms,
-    )
     streamer = llm_streamer(model, engine)
-    backend = CosyVoice2Backend(model, schedule, engine.voices_dir or None, options, streamer)
+    backend = CosyVoice2Backend(model, schedule, engine.voices_dir or None, backend_options(config), streamer)
     if streamer is not None:
         streamer.start()
     backend.warm_up()

@@ -24,9 +24,9 @@ from voicertc.backends.cosyvoice.load.files import torch_dtype
 from voicertc.backends.cosyvoice.load.v3 import CosyVoice3Model
 from voicertc.backends.cosyvoice.serve.backend import (
     SAMPLE_RATE_HZ,
-    BackendOptions,
     CosyVoice2Backend,
     Cv2Job,
+    backend_options,
 )
 from voicertc.backends.cosyvoice.serve.device_lane import resolve_device
 from voicertc.backends.cosyvoice.serve.modes import LlmPrompt, llm_prompt
@@ -145,11 +145,7 @@ def create_backend(config: Config) -> CosyVoice3Backend:
         grid_tokens=s.grid_tokens or None,
         final_chunk=s.final_chunk,  # type: ignore[arg-type]
     )
-    options = BackendOptions(
-        max_segment_tokens=config.limits.max_speech_tokens_per_segment,
-        bistream_unit=engine.bistream_unit,
-        max_step_ms=engine.max_step_ms,
-    )
-    backend = CosyVoice3Backend(model, schedule, engine.voices_dir or None, options)
+    # the same keys as CosyVoice2's (it once took only two: `cuda_graphs` and `text_workers` did nothing)
+    backend = CosyVoice3Backend(model, schedule, engine.voices_dir or None, backend_options(config))
     backend.warm_up()
     return backend

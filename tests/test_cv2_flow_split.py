@@ -29,7 +29,9 @@ from voicertc.engine.work import Decode, FlowChunk
 from voicertc.engine.worker import EngineWorker
 
 TEXT = "Zebras quietly jump over seven lazy dogs near Mount Vesuvius today."
-TOKENS = 100
+TOKENS = 60  # a first chunk of 33 + pad, then the final one
+JOBS = [("a", "golden"), ("b", "golden"), ("c", "sft")]
+VOICES = {"golden": GOLDEN_VOICE, "sft": SFT_VOICE}
 TOKEN_SAMPLES = 960
 
 
@@ -129,10 +131,23 @@ def test_a_stream_chunk_solved_one_euler_step_at_a_time_equals_the_chunk_at_once
         assert torch.equal(nxt, flow.stream_step(tokens[:, 33:61], right, finalize=True))
 
 
-def test_split_units_speak_what_whole_chunks_speak_and_each_makes_one_step(model, golden_dir, unit_log):
-    jobs = [("a", GOLDEN_VOICE), ("b", GOLDEN_VOICE), ("c", SFT_VOICE)]
-    whole = make_backend(model, golden_dir, max_segment_tokens=TOKENS)
-    _, sinks_whole = speak(whole, jobs)
+@pytest.fixture(scope="module")
+def whole_audio(model, golden_dir):
+    """The three utterances with every chunk in one unit (the reference the split runs must speak)."""
+    jobs = [(uid, VOICES[kind]) for uid, kind in JOBS]
+    _, sinks = speak(make_backend(model, golden_dir, max_segment_tokens=TOKENS), jobs)
+    return {uid: sinks[uid].samples(uid) for uid, _ in jobs}
+
+
+def same_audio(got: np.ndarray, whole: np.ndarray) -> None:
+    assert got.size == whole.size == TOKENS * TOKEN_SAMPLES
+    np.testing.assert_allclose(got, whole, atol=2e-3, rtol=0)  # batch partners may differ: float32 rounding
+
+
+def test_split_units_speak_what_whole_chunks_speak_and_each_makes_one_step(
+    model, golden_dir, unit_log, whole_audio
+):
+    jobs = [(uid, VOICES[kind]) for uid, kind in JOBS]
     split = make_backend(
         model, golden_dir, max_segment_tokens=TOKENS, max_step_ms=1500, step_clock=one_second_steps()
     )
@@ -140,9 +155,7 @@ def test_split_units_speak_what_whole_chunks_speak_and_each_makes_one_step(model
     log, sinks_split = speak(split, jobs)
     for uid, _ in jobs:
         assert isinstance(log.of(uid)[-1], Done)
-        a, b = sinks_split[uid].samples(uid), sinks_whole[uid].samples(uid)
-        assert a.size == b.size == TOKENS * TOKEN_SAMPLES
-        np.testing.assert_allclose(a, b, atol=2e-3, rtol=0)  # batch partners may differ: float32 rounding
+        same_audio(sinks_split[uid].samples(uid), whole_audio[uid])
     flows = log_units.flows()
     assert flows and max(forwards for _, _, forwards, _ in flows) == 1  # one Euler step per unit
     chunks = sum(1 for work, rows, _, _ in flows if not work.solve for _ in range(rows))
@@ -153,10 +166,8 @@ def test_split_units_speak_what_whole_chunks_speak_and_each_makes_one_step(model
     assert decodes and max(decodes) == 1  # a decode burst stops after one token too
 
 
-def test_a_member_cancelled_mid_chunk_leaves_the_others_speaking(model, golden_dir, unit_log):
-    jobs = [("keep", GOLDEN_VOICE), ("cut", GOLDEN_VOICE)]
-    whole = make_backend(model, golden_dir, max_segment_tokens=TOKENS)
-    _, sinks_whole = speak(whole, jobs[:1])
+def test_a_member_cancelled_mid_chunk_leaves_the_others_speaking(model, golden_dir, unit_log, whole_audio):
+    jobs = [("a", GOLDEN_VOICE), ("b", GOLDEN_VOICE)]  # b is cancelled
     split = make_backend(
         model, golden_dir, max_segment_tokens=TOKENS, max_step_ms=1500, step_clock=one_second_steps()
     )
@@ -168,27 +179,23 @@ def test_a_member_cancelled_mid_chunk_leaves_the_others_speaking(model, golden_d
         work = batch[0].work
         if not cancelled and isinstance(work, FlowChunk) and work.solve and len(batch) == 2:
             cancelled.append(work.solve)
-            engines[0].cancel("cut")
+            engines[0].cancel("b")
 
     log_units.on_unit = cancel_inside_a_shared_chunk
     log, sinks = speak(split, jobs, on_start=engines.append)
     assert cancelled, "the two utterances never shared a split chunk"
-    assert isinstance(log.of("cut")[-1], Cancelled)
-    assert isinstance(log.of("keep")[-1], Done)
+    assert isinstance(log.of("b")[-1], Cancelled)
+    assert isinstance(log.of("a")[-1], Done)
     rest = [rows for work, rows, _, _ in log_units.flows() if work.solve == cancelled[0]]
     assert rest[-1] == 1  # the chunk went on with its remaining member only
-    a, b = sinks["keep"].samples("keep"), sinks_whole["keep"].samples("keep")
-    assert a.size == b.size == TOKENS * TOKEN_SAMPLES
-    np.testing.assert_allclose(a, b, atol=2e-3, rtol=0)
+    same_audio(sinks["a"].samples("a"), whole_audio["a"])
     assert split._active == {}
 
 
 def test_a_failed_step_inside_a_shared_chunk_starts_it_again_for_every_member(
-    model, golden_dir, monkeypatch
+    model, golden_dir, monkeypatch, whole_audio
 ):
     jobs = [("a", GOLDEN_VOICE), ("b", GOLDEN_VOICE)]
-    whole = make_backend(model, golden_dir, max_segment_tokens=TOKENS)
-    _, sinks_whole = speak(whole, jobs)
     split = make_backend(
         model, golden_dir, max_segment_tokens=TOKENS, max_step_ms=1500, step_clock=one_second_steps()
     )
@@ -206,6 +213,4 @@ def test_a_failed_step_inside_a_shared_chunk_starts_it_again_for_every_member(
     assert failed and split.stats["batch_fallbacks"] == 1
     for uid, _ in jobs:
         assert isinstance(log.of(uid)[-1], Done), log.of(uid)[-1]
-        a, b = sinks[uid].samples(uid), sinks_whole[uid].samples(uid)
-        assert a.size == b.size == TOKENS * TOKEN_SAMPLES
-        np.testing.assert_allclose(a, b, atol=2e-3, rtol=0)  # the restarted chunk: the same mel
+        same_audio(sinks[uid].samples(uid), whole_audio[uid])  # the restarted chunk: the same mel

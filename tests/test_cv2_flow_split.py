@@ -214,3 +214,45 @@ def test_a_failed_step_inside_a_shared_chunk_starts_it_again_for_every_member(
     for uid, _ in jobs:
         assert isinstance(log.of(uid)[-1], Done), log.of(uid)[-1]
         same_audio(sinks[uid].samples(uid), whole_audio[uid])  # the restarted chunk: the same mel
+
+
+def test_cosyvoice3_splits_its_dit_chunks_the_same_way(tmp_path_factory):
+    """The mechanism is shared: CosyVoice3's DiT chunks go one Euler step per unit and speak the same."""
+    from bench.make_tiny_cv3_model_dir import make_tiny_cv3_model_dir
+    from voicertc.backends.cosyvoice.serve.backend import BackendOptions
+    from voicertc.backends.cosyvoice.serve.backend_v3 import CosyVoice3Backend
+    from voicertc.backends.cosyvoice3 import load as load_v3
+
+    model = load_v3(make_tiny_cv3_model_dir(tmp_path_factory.mktemp("cv3_split")))
+    jobs = [("a", SFT_VOICE), ("b", SFT_VOICE)]
+    audio = {}
+    forwards: list[int] = []
+    hook = model.flow.decoder.estimator.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        for name, extra in (
+            ("whole", {}),
+            ("split", {"max_step_ms": 1500, "step_clock": one_second_steps()}),
+        ):
+            backend = CosyVoice3Backend(
+                model, options=BackendOptions(seed=7, max_segment_tokens=TOKENS, **extra)
+            )
+            flows = []
+            run = backend.run
+
+            def recorded(batch, now_s, run=run, flows=flows):
+                before = len(forwards)
+                results = run(batch, now_s)
+                if isinstance(batch[0].work, FlowChunk):
+                    flows.append(len(forwards) - before)
+                return results
+
+            backend.run = recorded
+            log, sinks = speak(backend, jobs)
+            assert all(isinstance(log.of(uid)[-1], Done) for uid, _ in jobs)
+            audio[name] = {uid: sinks[uid].samples(uid) for uid, _ in jobs}
+            if name == "split":
+                assert flows and max(flows) == 1  # one Euler step (both CFG rows, the batch) per unit
+    finally:
+        hook.remove()
+    for uid, _ in jobs:
+        same_audio(audio["split"][uid], audio["whole"][uid])

@@ -1,6 +1,7 @@
-"""CosyVoice2 engine under load: N utterances start at once; TTFA p50/p95, RTF and playback underruns.
+"""CosyVoice2 (or 3) engine under load: N utterances start at once; TTFA p50/p95, RTF and underruns.
 
     .venv/bin/python -m bench.cv2_load --device cuda --dtype float16 [--concurrency 1 8 32]
+    .venv/bin/python -m bench.cv2_load --version 3 --device cuda --dtype bfloat16 --cuda-graphs  # CosyVoice3
     .venv/bin/python -m bench.make_tiny_model_dir .models/cv2_tiny \\
         && .venv/bin/python -m bench.cv2_load --model-dir .models/cv2_tiny --concurrency 1 4   # CPU smoke
 
@@ -13,7 +14,9 @@ Per level it reports TTFA (the engine's `FirstAudio.ttfa_ms`) p50/p95/max, RTF p
 underrun frames (total, and how many utterances had any), and the wall time. The voice is the model's
 first sft voice, or a random zero-shot voice with a 3 s prompt. Utterance length is capped by
 `--max-tokens` speech tokens (random weights rarely stop by themselves).
-Prints a table; writes bench/results/cv2_load_<device>.json.
+`--version 3` runs the `cosyvoice3` backend on a CosyVoice3 directory (default `.models/cv3_full`, built
+when missing; its LLM stays float32 whatever `--dtype` says, as the engine keeps it).
+Prints a table; writes bench/results/cv2_load_<device>.json (cv3_load_... for `--version 3`).
 """
 
 from __future__ import annotations
@@ -25,14 +28,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bench.make_full_model_dir import DEFAULT_OUT, make_full_model_dir
+from bench.make_full_model_dir import DEFAULT_OUT, DEFAULT_OUT_V3, make_full_model_dir
 from bench.report import summary, table, write_json
 from voicertc.audio import PcmRing, RingSink
 from voicertc.backends.cosyvoice.llm.streamer import ThreadedSpeechLlm
 from voicertc.backends.cosyvoice.load import load_v2 as load
+from voicertc.backends.cosyvoice.load import load_v3
 from voicertc.backends.cosyvoice.load.files import DTYPES
 from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model
 from voicertc.backends.cosyvoice.serve.backend import BackendOptions, CosyVoice2Backend
+from voicertc.backends.cosyvoice.serve.backend_v3 import CosyVoice3Backend
 from voicertc.backends.cosyvoice.voice.voices import voice_from_features
 from voicertc.engine import Done, EngineEvent, Failed, FirstAudio
 from voicertc.engine.worker import EngineWorker
@@ -141,7 +146,8 @@ def _row(result: dict) -> dict[str, object]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model-dir", default=str(DEFAULT_OUT))
+    parser.add_argument("--version", type=int, choices=[2, 3], default=2, help="CosyVoice2 or 3")
+    parser.add_argument("--model-dir", default="", help="default: the full-size random directory")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
@@ -152,9 +158,15 @@ def main() -> None:
     parser.add_argument("--llm", choices=["torch", "thread"], default="torch", help="[engine] llm")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if args.model_dir == str(DEFAULT_OUT):
-        make_full_model_dir(DEFAULT_OUT)
-    model = load(args.model_dir, args.device, DTYPES[args.dtype] if args.device != "cpu" else torch.float32)
+    if not args.model_dir:
+        default = DEFAULT_OUT_V3 if args.version == 3 else DEFAULT_OUT
+        args.model_dir = str(make_full_model_dir(default, version=args.version))
+    dtype = DTYPES[args.dtype] if args.device != "cpu" else torch.float32
+    model = (
+        load_v3(args.model_dir, args.device, dtype)
+        if args.version == 3
+        else load(args.model_dir, args.device, dtype)
+    )
     options = BackendOptions(
         seed=5,
         max_segment_tokens=args.max_tokens,
@@ -162,7 +174,12 @@ def main() -> None:
         graph_rows=max(args.concurrency),
     )
     streamer = ThreadedSpeechLlm(model.llm) if args.llm == "thread" else None
-    backend = CosyVoice2Backend(model, options=options, streamer=streamer)
+    if args.version == 3:
+        if streamer is not None:
+            parser.error("--llm thread is CosyVoice2's only")
+        backend: CosyVoice2Backend = CosyVoice3Backend(model, options=options)
+    else:
+        backend = CosyVoice2Backend(model, options=options, streamer=streamer)
     if streamer is not None:
         streamer.start()
     voice = pick_voice(backend, model)
@@ -176,7 +193,8 @@ def main() -> None:
         engine.stop()
     print(table([_row(r) for r in results], list(_row(results[0]))))  # noqa: T201 - benchmark output
     record = {"args": vars(args), "device_name": _device_name(args.device), "results": results}
-    name = f"cv2_load_{args.device.split(':')[0]}_{args.dtype}{'_graphs' if args.cuda_graphs else ''}"
+    name = f"cv{args.version}_load_{args.device.split(':')[0]}_{args.dtype}"
+    name += "_graphs" if args.cuda_graphs else ""
     name += "" if args.llm == "torch" else f"_llm_{args.llm}"
     print("wrote", write_json(name, record))  # noqa: T201
 

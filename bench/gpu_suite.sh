@@ -36,6 +36,10 @@
 #   MODEL_DIR        where the model directory is built (default: .models/cv2_full; cpu: .models/cv2_tiny_suite)
 #   WORK             scratch folder for the steps' files (default: a fresh mktemp -d)
 #   KEEP_DUMPS       1: also pack the peer bench's .pt dumps (mels + PCM of both sides; a few MB)
+#   SUITE            v2 (default) | v3: CosyVoice3 instead (issue 21): its full-size directory, the GPU tests,
+#                    `bench.cv3_stream` (incremental vs re-run per chunk), `bench.cv2_load --version 3`
+#                    1/8/16 then 32/64, `bench.peer_official --version 3` float32 (the official
+#                    `CosyVoice3Model` loop); MODEL_DIR default .models/cv3_full (cpu: .models/cv3_tiny_suite)
 set -u
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
@@ -43,6 +47,10 @@ ROOT=$PWD
 if [ "${1:-}" = prepare ]; then  # on a machine with PyPI and ../shared beside the checkout
     set -e
     ../shared/gpu/fetch_wheels.sh .whl peer
+    # the official CosyVoice3 code's extras (`bench.peer_official --version 3`)
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
+        x-transformers==2.11.24 einx==0.4.3 frozendict==2.5.1
     mkdir -p .carry
     rm -rf .carry/golden .carry/peer
     cp -r ../shared/peer .carry/peer
@@ -101,9 +109,26 @@ else
     T_DIR=60 T_TEST=90 T_STREAM=50 T_PROBE=70 T_LOAD=110 T_PEER32=130 T_PEER16=110 T_LOAD_LARGE=240
 fi
 
+SUITE=${SUITE:-v2}
+if [ "$SUITE" = v3 ]; then
+    if [ "$DEV" = cpu ]; then
+        MODEL_DIR=${MODEL_DIR_V3:-$ROOT/.models/cv3_tiny_suite}
+        MAKE_DIR=(bench.make_tiny_model_dir --version 3 "$MODEL_DIR")
+        CV3_STREAM=(--device cpu --runs 1 --seconds 8 --chunks 0,1)
+        PEER_V3=(--device cpu --dtype float32 --tokens 60 --runs 1 --no-official-floor)
+    else
+        MODEL_DIR=${MODEL_DIR_V3:-$ROOT/.models/cv3_full}
+        MAKE_DIR=(bench.make_full_model_dir --version 3 --out "$MODEL_DIR")
+        CV3_STREAM=(--device cuda --runs 3 --seconds 30 --chunks 0,1,4,8)
+        PEER_V3=(--device cuda --dtype float32 --tokens 250 750 --runs 2)
+        T_STREAM=70  # builds its own full-size flow + HiFT, then re-runs the history at 4 chunks
+    fi
+    LOAD_V3=("${LOAD[@]}" --version 3)
+fi
+
 START=$(date +%s)
 exec > >(tee -a "$OUT/suite.log") 2>&1
-echo "gpu_suite: DEV=$DEV OUT=$OUT WORK=$WORK DEADLINE_S=$DEADLINE_S MODEL_DIR=$MODEL_DIR"
+echo "gpu_suite: SUITE=$SUITE DEV=$DEV OUT=$OUT WORK=$WORK DEADLINE_S=$DEADLINE_S MODEL_DIR=$MODEL_DIR"
 echo "gpu_suite: PEER_DIR=$PEER_DIR PEER_SITE=$PEER_SITE VOICERTC_GOLDEN=$VOICERTC_GOLDEN"
 echo "gpu_suite: commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u +%FT%TZ)"
 printf 'step\texit\tseconds\n' > "$PACK/steps.tsv"
@@ -155,6 +180,19 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
 step model_dir "$T_DIR" "$PYTHON" -m "${MAKE_DIR[@]}"
 step pytest_gpu "$T_TEST" "$PYTHON" -m pytest -q -m gpu tests/test_gpu*.py -p no:cacheprovider \
     --junitxml="$PACK/pytest_gpu.xml"
+if [ "$SUITE" = v3 ]; then
+    step cv3_load "$T_LOAD" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD_V3[@]}" \
+        --concurrency "${LEVELS_SMALL[@]}"
+    step cv3_stream "$T_STREAM" "$PYTHON" -m bench.cv3_stream "${CV3_STREAM[@]}"
+    step peer_v3 "$T_PEER32" "$PYTHON" -m bench.peer_official --version 3 --model-dir "$MODEL_DIR" \
+        --peer "$PEER_DIR" --site "$PEER_SITE" --out "$PACK/peer_v3" "${PEER_V3[@]}"
+    step cv3_load_large "$T_LOAD_LARGE" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD_V3[@]}" \
+        --concurrency "${LEVELS_LARGE[@]}"
+    echo "=== gpu_suite done in $(( $(date +%s) - START ))s, $FAILED step(s) failed or skipped:"
+    column -t "$PACK/steps.tsv" 2>/dev/null || cat "$PACK/steps.tsv"
+    pack
+    exit "$FAILED"
+fi
 step cv2_stream "$T_STREAM" "$PYTHON" -m bench.cv2_stream --model-dir "$MODEL_DIR" "${STREAM[@]}"
 step gpu_probe "$T_PROBE" "$PYTHON" -m bench.gpu_probe --model-dir "$MODEL_DIR" --out "$PACK/gpu_probe" "${PROBE[@]}"
 step cv2_load "$T_LOAD" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD[@]}" \

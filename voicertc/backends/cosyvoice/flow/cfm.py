@@ -89,10 +89,13 @@ class CausalConditionalCFM(nn.Module):
     ) -> EulerSolve:
         """A solve before its first Euler step (`advance` runs them; `forward` is start + advance all)."""
         n, bins, frames = mu.shape
-        t_span = cosine_t_span(self.n_timesteps).to(mu.device, mu.dtype)
+        # the solver's state and times stay float32 whatever the estimator runs in: in bfloat16 the times
+        # (t_1 = 0.0123 -> 3 significant digits) and ten accumulated updates of x lose what the estimator
+        # keeps; only the estimator's input is cast to its dtype
+        t_span = cosine_t_span(self.n_timesteps).to(mu.device)
         # rows per utterance: [conditional, unconditional (mu, speaker, cond zeroed)]
         return EulerSolve(
-            x=noise,
+            x=noise.float(),
             mu_in=torch.stack([mu, torch.zeros_like(mu)], dim=1).view(2 * n, bins, frames),
             spks_in=torch.stack([spks, torch.zeros_like(spks)], dim=1).view(2 * n, bins),
             cond_in=torch.stack([cond, torch.zeros_like(cond)], dim=1).view(2 * n, bins, frames),
@@ -108,12 +111,13 @@ class CausalConditionalCFM(nn.Module):
         n, bins, frames = solve.x.shape
         last = self.n_timesteps if steps is None else min(self.n_timesteps, solve.step + steps)
         estimate = self.estimator_runner or self.estimator
+        dtype = solve.mu_in.dtype  # the estimator's
         for step in range(solve.step, last):
-            x_in = solve.x.unsqueeze(1).expand(n, 2, bins, frames).reshape(2 * n, bins, frames)
-            t_in = solve.t.expand(2 * n)
+            x_in = solve.x.to(dtype).unsqueeze(1).expand(n, 2, bins, frames).reshape(2 * n, bins, frames)
+            t_in = solve.t.to(dtype).expand(2 * n)
             caches = [utterance[step] for utterance in solve.step_caches]
             out = estimate(x_in, solve.mu_in, t_in, solve.spks_in, solve.cond_in, caches, solve.chunk_masks)
-            out = out.view(n, 2, bins, frames)
+            out = out.float().view(n, 2, bins, frames)
             velocity = (1.0 + self.cfg_rate) * out[:, 0] - self.cfg_rate * out[:, 1]
             solve.x = solve.x + solve.dt * velocity
             solve.t = solve.t + solve.dt
@@ -128,13 +132,13 @@ class EulerSolve:
     """One CFM solve between Euler steps (engine thread): `x` after `step` of the n steps, and what
     every step reads. A full-attention call is solved a few steps per engine step through it."""
 
-    x: Tensor  # [N, 80, T]
+    x: Tensor  # [N, 80, T] float32
     mu_in: Tensor  # [2N, 80, T] rows per utterance: conditional, unconditional
     spks_in: Tensor  # [2N, 80]
     cond_in: Tensor  # [2N, 80, T]
     step_caches: list[list[EstimatorCache]]
     chunk_masks: bool
-    t_span: Tensor  # [n + 1]
+    t_span: Tensor  # [n + 1] float32
     t: Tensor
     dt: Tensor
     step: int = 0

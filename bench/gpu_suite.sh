@@ -168,6 +168,13 @@ step() {  # step NAME CAP_S COMMAND...: run under min(CAP_S, time left), log it,
     pack
 }
 
+finish() {  # the table of steps, the last archive, and the number of failed steps as the exit status
+    echo "=== gpu_suite done in $(( $(date +%s) - START ))s, $FAILED step(s) failed or skipped:"
+    column -t "$PACK/steps.tsv" 2>/dev/null || cat "$PACK/steps.tsv"
+    pack
+    exit "$FAILED"
+}
+
 # (0) offline wheels (voicertc's CosyVoice path + the official code's extras) into a scratch folder
 if [ -n "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     step wheels 60 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl
@@ -188,10 +195,7 @@ if [ "$SUITE" = v3 ]; then
         --peer "$PEER_DIR" --site "$PEER_SITE" --out "$PACK/peer_v3" "${PEER_V3[@]}"
     step cv3_load_large "$T_LOAD_LARGE" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD_V3[@]}" \
         --concurrency "${LEVELS_LARGE[@]}"
-    echo "=== gpu_suite done in $(( $(date +%s) - START ))s, $FAILED step(s) failed or skipped:"
-    column -t "$PACK/steps.tsv" 2>/dev/null || cat "$PACK/steps.tsv"
-    pack
-    exit "$FAILED"
+    finish
 fi
 step cv2_stream "$T_STREAM" "$PYTHON" -m bench.cv2_stream --model-dir "$MODEL_DIR" "${STREAM[@]}"
 step gpu_probe "$T_PROBE" "$PYTHON" -m bench.gpu_probe --model-dir "$MODEL_DIR" --out "$PACK/gpu_probe" "${PROBE[@]}"
@@ -204,7 +208,4 @@ step peer_bfloat16 "$T_PEER16" "$PYTHON" -m bench.peer_official --model-dir "$MO
 step cv2_load_large "$T_LOAD_LARGE" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD[@]}" \
     --concurrency "${LEVELS_LARGE[@]}"
 
-echo "=== gpu_suite done in $(( $(date +%s) - START ))s, $FAILED step(s) failed or skipped:"
-column -t "$PACK/steps.tsv" 2>/dev/null || cat "$PACK/steps.tsv"
-pack
-exit "$FAILED"
+finish

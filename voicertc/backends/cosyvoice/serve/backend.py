@@ -648,7 +648,7 @@ class CosyVoice2Backend:
         """The next Euler steps of a started chunk (`group` holds some or all of its members)."""
         pending = self._state(group[0]).flow_solve
         if pending is None or any(self._state(job).flow_solve is not pending for job in group):
-            raise RuntimeError("a flow chunk continued without its started batch")
+            return [RuntimeError("a flow chunk continued without its started batch") for _ in group]
         started = time.perf_counter()
         try:
             mels = self._advance_flow(pending.stream, self.budget.start())

@@ -1,9 +1,10 @@
 """A streaming flow chunk split across engine steps under `[engine] max_step_ms` (issue 24, item 1).
 
-On a slow machine (the full-size model on CPU: ~0.5 s an Euler step) a chunk's ten Euler steps go on in
-later units, the batch's members continued together, and a decode burst stops early; the audio is what
-one-unit chunks make. A clock injected into the backend makes every step look like one second, so each
-unit makes exactly one Euler step (or one decode token) on the tiny model.
+On a slow machine (the full-size model on CPU: ~0.5 s an Euler step) a chunk's ten Euler steps, each in
+parts (one estimator stage per part), go on in later units, the batch's members continued together, and
+a decode burst stops early; the audio is what one-unit chunks make. A clock injected into the backend
+makes every step look like one second, so each unit makes exactly one part (or one decode token) on the
+tiny model.
 """
 
 from __future__ import annotations
@@ -53,29 +54,44 @@ def one_second_steps():
     return lambda: float(next(ticks))
 
 
+def count_parts(decoder, monkeypatch) -> list[int]:
+    """Count the solver's parts (`advance_part` calls: one estimator stage each on the eager estimator)."""
+    calls: list[int] = []
+    original = decoder.advance_part
+
+    def counted(solve):
+        calls.append(1)
+        return original(solve)
+
+    monkeypatch.setattr(decoder, "advance_part", counted)
+    return calls
+
+
+def parts_per_step(decoder) -> int:
+    """An Euler step's parts: the estimator's stages (UNet) or blocks (DiT), then the output projection."""
+    estimator = decoder.estimator
+    return (estimator.n_stages if hasattr(estimator, "n_stages") else len(estimator.transformer_blocks)) + 1
+
+
 class UnitLog:
-    """Per engine unit: its work, the rows in it, estimator forwards and LLM decode steps."""
+    """Per engine unit: its work, the rows in it, flow solver parts and LLM decode steps."""
 
     def __init__(self, backend, model, monkeypatch) -> None:
         self.units: list[tuple[object, int, int, int]] = []
         self.on_unit = None
-        self._forwards = 0
-        self.remove = model.flow.decoder.estimator.register_forward_hook(self._count).remove
+        self._parts = count_parts(model.flow.decoder, monkeypatch)
         run = backend.run
 
         def recorded(batch, now_s):
-            self._forwards, decodes_before = 0, backend.stats["decode_batches"]
+            parts_before, decodes_before = len(self._parts), backend.stats["decode_batches"]
             results = run(batch, now_s)
             decodes = backend.stats["decode_batches"] - decodes_before
-            self.units.append((batch[0].work, len(batch), self._forwards, decodes))
+            self.units.append((batch[0].work, len(batch), len(self._parts) - parts_before, decodes))
             if self.on_unit is not None:
                 self.on_unit(batch)
             return results
 
         monkeypatch.setattr(backend, "run", recorded)
-
-    def _count(self, *_):
-        self._forwards += 1
 
     def flows(self):
         return [u for u in self.units if isinstance(u[0], FlowChunk)]
@@ -83,15 +99,7 @@ class UnitLog:
 
 @pytest.fixture
 def unit_log(model, monkeypatch):
-    logs: list[UnitLog] = []
-
-    def attach(backend) -> UnitLog:
-        logs.append(UnitLog(backend, model, monkeypatch))
-        return logs[-1]
-
-    yield attach
-    for log in logs:
-        log.remove()
+    return lambda backend: UnitLog(backend, model, monkeypatch)
 
 
 def speak(backend, jobs, on_start=None):
@@ -131,6 +139,33 @@ def test_a_stream_chunk_solved_one_euler_step_at_a_time_equals_the_chunk_at_once
         assert torch.equal(nxt, flow.stream_step(tokens[:, 33:61], right, finalize=True))
 
 
+def test_a_stream_chunk_solved_one_estimator_stage_at_a_time_equals_the_chunk_at_once(model, golden_dir):
+    tokens = load_file(golden_dir / "cv2_tts_tiny_flow_tiny_hift.safetensors")["in_token"]
+    voice = golden_voice(model, golden_dir)
+    flow = model.flow
+    per_step = parts_per_step(flow.decoder)
+    assert per_step >= 3  # down, mid stage(s), up, then the projection
+    a, b = voice.flow_state.clone(), voice.flow_state.clone()
+    at_once = flow.stream_step_batch([tokens[:, :36], tokens[:, :36]], [a, b], finalize=False)
+    a2, b2 = voice.flow_state.clone(), voice.flow_state.clone()
+    stream = flow.start_stream_batch([tokens[:, :36], tokens[:, :36]], [a2, b2], finalize=False)
+    total = flow.cfg.n_timesteps * per_step
+    mels = [flow.advance_stream(stream, parts=1) for _ in range(total)]
+    assert all(m is None for m in mels[:-1]) and mels[-1] is not None
+    assert stream.solve is not None and stream.solve.step == flow.cfg.n_timesteps
+    for split, whole in zip(mels[-1], at_once, strict=True):
+        assert torch.equal(split, whole)
+    for left, right in ((a, a2), (b, b2)):
+        nxt = flow.stream_step(tokens[:, 33:61], left, finalize=True)
+        assert torch.equal(nxt, flow.stream_step(tokens[:, 33:61], right, finalize=True))
+    # whole Euler steps after a step begun in parts: the begun step is finished first, counted as one
+    alone = flow.stream_step(tokens[:, :36], voice.flow_state.clone(), finalize=False)
+    stream = flow.start_stream_batch([tokens[:, :36]], [voice.flow_state.clone()], finalize=False)
+    assert flow.advance_stream(stream, parts=2) is None and stream.solve.step == 0
+    assert flow.advance_stream(stream, euler_steps=1) is None and stream.solve.step == 1
+    assert torch.equal(flow.advance_stream(stream)[0], alone)
+
+
 @pytest.fixture(scope="module")
 def whole_audio(model, golden_dir):
     """The three utterances with every chunk in one unit (the reference the split runs must speak)."""
@@ -157,9 +192,10 @@ def test_split_units_speak_what_whole_chunks_speak_and_each_makes_one_step(
         assert isinstance(log.of(uid)[-1], Done)
         same_audio(sinks_split[uid].samples(uid), whole_audio[uid])
     flows = log_units.flows()
-    assert flows and max(forwards for _, _, forwards, _ in flows) == 1  # one Euler step per unit
+    assert flows and max(parts for _, _, parts, _ in flows) == 1  # one estimator stage per unit
     chunks = sum(1 for work, rows, _, _ in flows if not work.solve for _ in range(rows))
-    assert sum(rows for _, rows, _, _ in flows) == chunks * model.flow.cfg.n_timesteps
+    per_chunk = model.flow.cfg.n_timesteps * parts_per_step(model.flow.decoder)
+    assert sum(rows for _, rows, _, _ in flows) == chunks * per_chunk
     assert any(rows > 1 and work.solve for work, rows, _, _ in flows)  # a batch continued together
     assert split.stats["batched_chunks"] >= 2
     decodes = [d for work, _, _, d in log_units.units if isinstance(work, Decode)]
@@ -201,12 +237,12 @@ def test_a_failed_step_inside_a_shared_chunk_starts_it_again_for_every_member(
     )
     original, failed = model.flow.advance_stream, []
 
-    def fails_once_mid_chunk(stream, euler_steps=None):
+    def fails_once_mid_chunk(stream, euler_steps=None, parts=None):
         solve = stream.solve
-        if not failed and len(stream.states) == 2 and solve is not None and solve.step == 4:
-            failed.append(solve.step)
-            raise RuntimeError("injected Euler step failure")
-        return original(stream, euler_steps)
+        if not failed and len(stream.states) == 2 and solve is not None and solve.step == 4 and solve.parts:
+            failed.append(solve.step)  # inside Euler step 4, after some of its parts
+            raise RuntimeError("injected estimator failure")
+        return original(stream, euler_steps, parts=parts)
 
     monkeypatch.setattr(model.flow, "advance_stream", fails_once_mid_chunk)
     log, sinks = speak(split, jobs)
@@ -217,7 +253,7 @@ def test_a_failed_step_inside_a_shared_chunk_starts_it_again_for_every_member(
 
 
 def test_cosyvoice3_splits_its_dit_chunks_the_same_way(tmp_path_factory):
-    """The mechanism is shared: CosyVoice3's DiT chunks go one Euler step per unit and speak the same."""
+    """The mechanism is shared: CosyVoice3's DiT chunks go one DiT block per unit and speak the same."""
     from bench.make_tiny_cv3_model_dir import make_tiny_cv3_model_dir
     from voicertc.backends.cosyvoice.serve.backend import BackendOptions
     from voicertc.backends.cosyvoice.serve.backend_v3 import CosyVoice3Backend
@@ -226,9 +262,8 @@ def test_cosyvoice3_splits_its_dit_chunks_the_same_way(tmp_path_factory):
     model = load_v3(make_tiny_cv3_model_dir(tmp_path_factory.mktemp("cv3_split")))
     jobs = [("a", SFT_VOICE), ("b", SFT_VOICE)]
     audio = {}
-    forwards: list[int] = []
-    hook = model.flow.decoder.estimator.register_forward_hook(lambda *_: forwards.append(1))
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        forwards = count_parts(model.flow.decoder, patch)
         for name, extra in (
             ("whole", {}),
             ("split", {"max_step_ms": 1500, "step_clock": one_second_steps()}),
@@ -251,8 +286,7 @@ def test_cosyvoice3_splits_its_dit_chunks_the_same_way(tmp_path_factory):
             assert all(isinstance(log.of(uid)[-1], Done) for uid, _ in jobs)
             audio[name] = {uid: sinks[uid].samples(uid) for uid, _ in jobs}
             if name == "split":
-                assert flows and max(flows) == 1  # one Euler step (both CFG rows, the batch) per unit
-    finally:
-        hook.remove()
+                assert flows and max(flows) == 1  # one DiT block (both CFG rows, the batch) per unit
+                assert sum(flows) % parts_per_step(model.flow.decoder) == 0
     for uid, _ in jobs:
         same_audio(audio["split"][uid], audio["whole"][uid])

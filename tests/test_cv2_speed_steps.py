@@ -7,6 +7,7 @@ longer than a streaming chunk's, so another call's unit and a cancel land betwee
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from cv2_engine_helpers import (
@@ -50,6 +51,23 @@ def test_a_full_attention_call_solved_step_by_step_equals_the_call_made_at_once(
     assert len(calls) == model.flow.cfg.n_timesteps  # one estimator forward (the CFG pair) per part
     assert torch.equal(mels[-1], at_once)
     assert model.flow.advance_window(window, euler_steps=1) is mels[-1]  # solved: nothing more runs
+
+
+def test_a_full_attention_call_solved_in_estimator_parts_equals_the_call_made_at_once(model, golden_dir):
+    """Under `[engine] max_step_ms` a window's Euler steps go one estimator stage per part."""
+    tokens = load_file(golden_dir / "cv2_tts_tiny_flow_tiny_hift.safetensors")["in_token"]
+    voice = golden_voice(model, golden_dir)
+    prompt = (voice.flow_prompt_tokens, voice.prompt_feat, voice.embedding)
+    at_once = model.flow.infer(tokens, *prompt, streaming=False, finalize=True)
+    window = model.flow.start_window(tokens, *prompt, streaming=False, finalize=True)
+    per_step = model.flow.decoder.estimator.n_stages + 1
+    mels = [model.flow.advance_window(window, parts=1) for _ in range(model.flow.cfg.n_timesteps * per_step)]
+    assert all(m is None for m in mels[:-1]) and mels[-1] is not None
+    assert torch.equal(mels[-1], at_once)
+    with pytest.raises(ValueError, match="not both"):
+        model.flow.advance_window(
+            model.flow.start_window(tokens, *prompt, streaming=False, finalize=True), 1, parts=1
+        )
 
 
 class StepRecorder:
@@ -152,3 +170,54 @@ def test_a_cancel_lands_inside_a_window_between_its_euler_steps(model, golden_di
         assert backend._active == {} and engine.open_count == 0
     finally:
         engine.stop()
+
+
+def test_under_a_step_budget_a_window_goes_one_estimator_stage_per_unit_and_speaks_the_same(
+    model, golden_dir, monkeypatch
+):
+    """`max_step_ms` with a clock that makes every part look like a second: one part per unit."""
+    ticks = iter(range(10**9))
+    text = "Said slowly, in bounded parts. " * 2
+    audio = {}
+    parts: list[int] = []
+    original = model.flow.decoder.advance_part
+
+    def counted(solve):
+        parts.append(1)
+        return original(solve)
+
+    monkeypatch.setattr(model.flow.decoder, "advance_part", counted)
+    for name, extra in (
+        ("whole", {}),
+        ("parts", {"max_step_ms": 1500, "step_clock": lambda: float(next(ticks))}),
+    ):
+        backend = make_backend(model, golden_dir, max_segment_tokens=200, speed_window_tokens=60, **extra)
+        units: list[int] = []
+        run = backend.run
+
+        def recorded(batch, now_s, run=run, units=units):
+            before = len(parts)
+            results = run(batch, now_s)
+            if isinstance(batch[0].work, FlowChunk):
+                units.append(len(parts) - before)
+            return results
+
+        backend.run = recorded
+        engine = EngineWorker(backend, name=f"cv2-speed-{name}")
+        engine.start()
+        try:
+            log, sink = EventLog(), RecordingSink()
+            uid = engine.open_utterance(GOLDEN_VOICE, sink, log, "u", SpeakOptions(speed=0.8))
+            engine.push_text(uid, text, end=True)
+            log.wait_terminal([uid], 300)
+            assert isinstance(log.of(uid)[-1], Done)
+        finally:
+            engine.stop()
+        audio[name] = sink.samples(uid)
+        if name == "parts":
+            per_window = model.flow.cfg.n_timesteps * (model.flow.decoder.estimator.n_stages + 1)
+            assert units and max(units) == 1 and len(units) % per_window == 0
+        else:
+            assert not parts  # no budget: whole Euler steps
+    assert audio["parts"].size == audio["whole"].size > 0
+    assert np.array_equal(audio["parts"], audio["whole"])

@@ -9,7 +9,7 @@ different x at every step), one per utterance with the CFG pair as its two rows.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
@@ -107,24 +107,52 @@ class CausalConditionalCFM(nn.Module):
         )
 
     def advance(self, solve: EulerSolve, steps: int | None = None) -> bool:
-        """Run the next `steps` Euler steps of `solve` (None: all left); whether it is done."""
-        n, bins, frames = solve.x.shape
+        """Run the next `steps` Euler steps of `solve` (None: all left; a step begun in parts is
+        finished first and counts as one); whether it is done."""
         last = self.n_timesteps if steps is None else min(self.n_timesteps, solve.step + steps)
-        estimate = self.estimator_runner or self.estimator
-        dtype = solve.mu_in.dtype  # the estimator's
-        for step in range(solve.step, last):
-            x_in = solve.x.to(dtype).unsqueeze(1).expand(n, 2, bins, frames).reshape(2 * n, bins, frames)
-            t_in = solve.t.to(dtype).expand(2 * n)
-            caches = [utterance[step] for utterance in solve.step_caches]
-            out = estimate(x_in, solve.mu_in, t_in, solve.spks_in, solve.cond_in, caches, solve.chunk_masks)
-            out = out.float().view(n, 2, bins, frames)
-            velocity = (1.0 + self.cfg_rate) * out[:, 0] - self.cfg_rate * out[:, 1]
-            solve.x = solve.x + solve.dt * velocity
-            solve.t = solve.t + solve.dt
-            if step < self.n_timesteps - 1:
-                solve.dt = solve.t_span[step + 2] - solve.t
-            solve.step = step + 1
+        while solve.step < last:
+            if solve.parts is None:
+                solve.parts = self._euler_step(solve, in_parts=False)
+            for _ in solve.parts:  # to the step's end
+                pass
+            solve.parts = None
         return solve.step >= self.n_timesteps
+
+    def advance_part(self, solve: EulerSolve) -> bool:
+        """Run the next part of `solve`: one stage of the estimator's forward when the eager estimator
+        runs in parts (`forward_parts`), else one whole Euler step (an exported or captured runner is
+        one call); whether the solve is done. Parts compute exactly what whole steps do."""
+        if solve.step >= self.n_timesteps:
+            return True
+        if solve.parts is None:
+            solve.parts = self._euler_step(solve, in_parts=True)
+        try:
+            next(solve.parts)
+        except StopIteration:
+            solve.parts = None
+        return solve.step >= self.n_timesteps
+
+    def _euler_step(self, solve: EulerSolve, in_parts: bool) -> Generator[None, None, None]:
+        # Euler step `solve.step` (in parts: a yield after each estimator part); x, t, dt move on at its end
+        n, bins, frames = solve.x.shape
+        step = solve.step
+        dtype = solve.mu_in.dtype  # the estimator's
+        x_in = solve.x.to(dtype).unsqueeze(1).expand(n, 2, bins, frames).reshape(2 * n, bins, frames)
+        t_in = solve.t.to(dtype).expand(2 * n)
+        caches = [utterance[step] for utterance in solve.step_caches]
+        inputs = (x_in, solve.mu_in, t_in, solve.spks_in, solve.cond_in, caches, solve.chunk_masks)
+        parted = getattr(self.estimator, "forward_parts", None) if self.estimator_runner is None else None
+        if in_parts and callable(parted):
+            out = yield from parted(*inputs)
+        else:
+            out = (self.estimator_runner or self.estimator)(*inputs)
+        out = out.float().view(n, 2, bins, frames)
+        velocity = (1.0 + self.cfg_rate) * out[:, 0] - self.cfg_rate * out[:, 1]
+        solve.x = solve.x + solve.dt * velocity
+        solve.t = solve.t + solve.dt
+        if step < self.n_timesteps - 1:
+            solve.dt = solve.t_span[step + 2] - solve.t
+        solve.step = step + 1
 
 
 @dataclass
@@ -142,3 +170,4 @@ class EulerSolve:
     t: Tensor
     dt: Tensor
     step: int = 0
+    parts: Generator[None, None, None] | None = None  # Euler step `step` begun in parts, not yet done

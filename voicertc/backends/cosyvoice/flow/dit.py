@@ -25,7 +25,7 @@ from voicertc.backends.cosyvoice.flow.config_v3 import (
     TIME_FREQ_DIM,
     DitConfig,
 )
-from voicertc.backends.cosyvoice.flow.unet import EstimatorCache, RowBatch
+from voicertc.backends.cosyvoice.flow.unet import EstimatorCache, EstimatorParts, RowBatch
 
 _LN_EPS = 1e-6
 
@@ -257,14 +257,40 @@ class DiT(nn.Module):
         chunk_masks: bool,
     ) -> Tensor:
         # x, mu, cond: [B, 80, T] new frames; t: [B]; spks: [B, 80]; B = len(caches) * rows -> [B, 80, T]
-        frames = x.shape[2]
-        rows = x.shape[0] // len(caches)
-        batch = RowBatch(caches, rows, self.chunk_frames if chunk_masks else None)
-        rope = self.rope([c.frames for c in caches], rows, frames, x.dtype)
+        batch, rope = self._open(x, caches, chunk_masks)
         out = self.forward_batch(x, mu, t, spks, cond, batch, rope)
         for cache in caches:
-            cache.frames += frames
+            cache.frames += x.shape[2]
         return out
+
+    def forward_parts(
+        self,
+        x: Tensor,
+        mu: Tensor,
+        t: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        caches: list[EstimatorCache],
+        chunk_masks: bool,
+    ) -> EstimatorParts:
+        """`forward` one transformer block per `next()`, as unet.py's stages: the same operations in the
+        same order; the velocity is the generator's return."""
+        batch, rope = self._open(x, caches, chunk_masks)
+        h, t_emb, rope = self._embed(x, mu, t, spks, cond, batch, rope)
+        for block in self.transformer_blocks:
+            h = block(h, t_emb, batch, rope)
+            yield
+        out = self.proj_out(self.norm_out(h, t_emb)).transpose(1, 2)
+        for cache in caches:
+            cache.frames += x.shape[2]
+        return out
+
+    def _open(
+        self, x: Tensor, caches: list[EstimatorCache], chunk_masks: bool
+    ) -> tuple[RowBatch, tuple[Tensor, Tensor]]:
+        rows = x.shape[0] // len(caches)
+        batch = RowBatch(caches, rows, self.chunk_frames if chunk_masks else None)
+        return batch, self.rope([c.frames for c in caches], rows, x.shape[2], x.dtype)
 
     def forward_batch(
         self,
@@ -278,9 +304,21 @@ class DiT(nn.Module):
     ) -> Tensor:
         """The network on a batch that answers its convs' and attentions' cache questions (the eager
         `RowBatch`, or the graph form's tensors: `flow.graph.StreamingEstimator`)."""
-        t_emb = self.time_embed(t)
-        h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks, batch)
-        rope = (rope[0].to(h.dtype), rope[1].to(h.dtype))
+        h, t_emb, rope = self._embed(x, mu, t, spks, cond, batch, rope)
         for block in self.transformer_blocks:
             h = block(h, t_emb, batch, rope)
         return self.proj_out(self.norm_out(h, t_emb)).transpose(1, 2)
+
+    def _embed(
+        self,
+        x: Tensor,
+        mu: Tensor,
+        t: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        batch: Any,
+        rope: tuple[Tensor, Tensor],
+    ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+        t_emb = self.time_embed(t)
+        h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks, batch)
+        return h, t_emb, (rope[0].to(h.dtype), rope[1].to(h.dtype))

@@ -167,10 +167,13 @@ class CausalFlow(nn.Module):
         return WindowSolve(self._start([chunk], chunk_masks=streaming), chunk.drop_frames)
 
     @torch.inference_mode()
-    def advance_window(self, window: WindowSolve, euler_steps: int | None = None) -> Tensor | None:
-        """The next `euler_steps` of `window` (None: all left); its mel [1, 80, F] once solved, else None."""
+    def advance_window(
+        self, window: WindowSolve, euler_steps: int | None = None, *, parts: int | None = None
+    ) -> Tensor | None:
+        """The next `euler_steps` of `window` (None: all left), or its next `parts` (`CausalConditionalCFM.
+        advance_part`); its mel [1, 80, F] once solved, else None."""
         if window.mel is None and window.solve is not None:
-            if self.decoder.advance(window.solve, euler_steps):
+            if self._advance(window.solve, euler_steps, parts):
                 window.mel = window.solve.x.float()[:, :, window.drop_frames :]
                 window.solve = None  # the estimator caches of a full-attention call go now
         return window.mel
@@ -227,10 +230,13 @@ class CausalFlow(nn.Module):
         return StreamSolve(solve, [c.drop_frames for c in chunks], states, finalize)
 
     @torch.inference_mode()
-    def advance_stream(self, stream: StreamSolve, euler_steps: int | None = None) -> list[Tensor] | None:
-        """The next `euler_steps` of `stream` (None: all left); each state's mel [1, 80, F] once solved."""
+    def advance_stream(
+        self, stream: StreamSolve, euler_steps: int | None = None, *, parts: int | None = None
+    ) -> list[Tensor] | None:
+        """The next `euler_steps` of `stream` (None: all left), or its next `parts` (an estimator stage
+        each on the eager estimator); each state's mel [1, 80, F] once solved, else None."""
         solve = stream.solve
-        if solve is not None and not self.decoder.advance(solve, euler_steps):
+        if solve is not None and not self._advance(solve, euler_steps, parts):
             return None
         for state in stream.states:
             state.finished = stream.finalize
@@ -240,6 +246,18 @@ class CausalFlow(nn.Module):
         return [mel[i : i + 1, :, drop:] for i, drop in enumerate(stream.drop_frames)]
 
     # ----------------------------------------------------------------- internals
+    def _advance(self, solve: EulerSolve, euler_steps: int | None, parts: int | None) -> bool:
+        if parts is None:
+            return self.decoder.advance(solve, euler_steps)
+        if euler_steps is not None:
+            raise ValueError("advance by euler_steps or by parts, not both")
+        done = False
+        for _ in range(parts):
+            done = self.decoder.advance_part(solve)
+            if done:
+                break
+        return done
+
     def _check_tokens(self, tokens: Tensor, name: str) -> Tensor:
         if tokens.dim() != 2 or tokens.shape[0] != 1:
             raise ValueError(f"{name} must have shape [1, n], got {list(tokens.shape)}")

@@ -13,6 +13,7 @@ its own cache and start frame, and all groups run the convs / projections as one
 from __future__ import annotations
 
 import math
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -23,6 +24,10 @@ from torch import Tensor, nn
 from voicertc.backends.cosyvoice.flow.config import EstimatorConfig
 from voicertc.backends.cosyvoice.flow.encoder import chunk_attention_mask
 from voicertc.backends.cosyvoice.flow.kv import KVCache, two_segment_sdpa
+
+EstimatorParts = Generator[
+    None, None, Tensor
+]  # one estimator forward, a part per next(); returns the velocity
 
 GROW_FRAMES = 128  # a packed context's K/V room grows by a quarter at least, in steps of this many frames
 
@@ -363,22 +368,62 @@ class CausalConditionalDecoder(nn.Module):
             cache.frames += x.shape[2]
         return out
 
+    def forward_parts(
+        self,
+        x: Tensor,
+        mu: Tensor,
+        t: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        caches: list[EstimatorCache],
+        chunk_masks: bool,
+    ) -> EstimatorParts:
+        """`forward` one stage per `next()` (down, each mid stage, up): the same operations in the same
+        order, so the parts together compute it bit for bit; the velocity is the generator's return."""
+        batch = _Batch(caches, x.shape[0] // len(caches), self.chunk_frames if chunk_masks else None)
+        h, skip, t_emb = self._embed(x, mu, t, spks, cond)
+        for stage in range(self.n_stages):
+            h, skip = self._stage(stage, h, skip, t_emb, batch)
+            yield
+        out = self._project(h, batch)
+        for cache in caches:
+            cache.frames += x.shape[2]
+        return out
+
+    @property
+    def n_stages(self) -> int:
+        return 2 + len(self.mid_blocks)
+
     def forward_batch(
         self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, batch: Any
     ) -> Tensor:
         """The network on the new frames; `batch` supplies each causal conv's left context
         (`conv_context`) and each attention's cached keys (`attend`): `_Batch` here, a graph input
         packing for the ONNX export (`voicertc.backends.cosyvoice.accel.flow_onnx_export`)."""
-        frames = x.shape[2]
+        h, skip, t_emb = self._embed(x, mu, t, spks, cond)
+        for stage in range(self.n_stages):
+            h, skip = self._stage(stage, h, skip, t_emb, batch)
+        return self._project(h, batch)
+
+    def _embed(
+        self, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        # -> the down stage's input [B, 320, T] (also the skip until the down stage sets it), t_emb
         t_emb = self.time_mlp(self.time_embeddings(t).to(t.dtype))
-        h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, frames), cond], dim=1)
-        down = _parts(self.down_blocks[0])
-        skip = self._resnet_and_blocks(down, h, t_emb, batch)
-        h = down[2](skip, batch)
-        for stage in self.mid_blocks:
-            h = self._resnet_and_blocks(_parts(stage), h, t_emb, batch)
+        h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.shape[2]), cond], dim=1)
+        return h, h, t_emb
+
+    def _stage(self, stage: int, h: Tensor, skip: Tensor, t_emb: Tensor, batch: Any) -> tuple[Tensor, Tensor]:
+        # stage 0: down (sets the skip), 1..n-2: mid, n-1: up (reads the skip) -> (h, skip)
+        if stage == 0:
+            down = _parts(self.down_blocks[0])
+            skip = self._resnet_and_blocks(down, h, t_emb, batch)
+            return down[2](skip, batch), skip
+        if stage < self.n_stages - 1:
+            return self._resnet_and_blocks(_parts(self.mid_blocks[stage - 1]), h, t_emb, batch), skip
         up = _parts(self.up_blocks[0])
         h = self._resnet_and_blocks(up, torch.cat([h, skip], dim=1), t_emb, batch)
-        h = up[2](h, batch)
-        h = self.final_block(h, batch)
-        return self.final_proj(h)
+        return up[2](h, batch), skip
+
+    def _project(self, h: Tensor, batch: Any) -> Tensor:
+        return self.final_proj(self.final_block(h, batch))

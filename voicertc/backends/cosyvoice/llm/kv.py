@@ -15,7 +15,7 @@ their weights and their RMSNorm / MLP / rotary code; only the attention over the
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -147,19 +147,38 @@ class SlotKV:
         """One forward of `embeds` [B, T, H] (row b on `rows[b]`); each row's length grows by T."""
         if len(rows) != embeds.shape[0]:
             raise ValueError(f"{len(rows)} slots for a batch of {embeds.shape[0]}")
+        index, positions, span = self._place(rows, embeds.shape[1])
+        hidden = self.run(index, positions, embeds, span)
+        for r in rows:
+            r.length += embeds.shape[1]
+        return hidden
+
+    def forward_parts(self, rows: list[KVSlot], embeds: Tensor) -> Generator[None, None, Tensor]:
+        """`forward` one decoder layer per `next()` (a long prompt within an engine unit's budget): the
+        same operations in the same order; the hidden states are the generator's return. The rows'
+        lengths grow at the end; nothing else may feed them in between (the pool may grow: every layer
+        reads the current K/V tensors, and a resize copies what is written)."""
+        if len(rows) != embeds.shape[0]:
+            raise ValueError(f"{len(rows)} slots for a batch of {embeds.shape[0]}")
+        index, positions, span = self._place(rows, embeds.shape[1])
+        hidden, cos, sin, mask = self._inputs(positions, embeds, span)
+        for i, layer in enumerate(self._decoder_layers()):
+            hidden = self._layer(layer, i, hidden, cos, sin, index, positions, span, mask)
+            yield
+        for r in rows:
+            r.length += embeds.shape[1]
+        return self.backbone.norm(hidden)
+
+    def _place(self, rows: list[KVSlot], n_new: int) -> tuple[Tensor, Tensor, int]:
+        # -> the rows' slot index [B], the new positions [B, T], the key span every row may need
         if any(r.released or r.pool is not self for r in rows):
             raise ValueError("a released or foreign KV slot")
-        n_new = embeds.shape[1]
         lengths = [r.length for r in rows]
         span = max(lengths) + n_new  # keys every row may need: [0, span)
         self._ensure_capacity(span)
         starts = torch.tensor(lengths, device=self.device)
         positions = starts[:, None] + torch.arange(n_new, device=self.device)[None, :]  # [B, T]
-        index = torch.tensor([r.index for r in rows], device=self.device)
-        hidden = self.run(index, positions, embeds, span)
-        for r in rows:
-            r.length += n_new
-        return hidden
+        return torch.tensor([r.index for r in rows], device=self.device), positions, span
 
     def forward_ragged(self, rows: list[KVSlot], embeds: list[Tensor]) -> Tensor:
         """Rows feeding different numbers of positions (prompts) in one forward: each [1, T_b, H] is
@@ -179,20 +198,39 @@ class SlotKV:
         """The layers on device tensors only (no host sync, so a CUDA graph can capture it): rows
         `index` [B] write their keys/values at `positions` [B, T] and attend to keys [0, span) up to their
         own position. `span` = the capacity gives every call the same shapes. Hidden states [B, T, H]."""
+        hidden, cos, sin, mask = self._inputs(positions, embeds, span)
+        for i, layer in enumerate(self._decoder_layers()):
+            hidden = self._layer(layer, i, hidden, cos, sin, index, positions, span, mask)
+        return self.backbone.norm(hidden)
+
+    def _inputs(self, positions: Tensor, embeds: Tensor, span: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         keys = torch.arange(span, device=self.device)
         mask = keys[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, span]
-        bb = self.backbone
         hidden = embeds.to(self.dtype)
-        cos, sin = bb.rotary_emb(hidden, positions)
+        cos, sin = self.backbone.rotary_emb(hidden, positions)
+        return hidden, cos, sin, mask
+
+    def _decoder_layers(self) -> Sequence[Qwen2DecoderLayer]:
         # nn.ModuleList is not generic (its items type as Module): these are Qwen2 decoder layers
-        layers = cast(Sequence[Qwen2DecoderLayer], bb.layers[: self.layers])
-        for i, layer in enumerate(layers):
-            residual = hidden
-            x = layer.input_layernorm(hidden)
-            hidden = residual + self._attention(layer.self_attn, x, cos, sin, i, index, positions, span, mask)
-            residual = hidden
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
-        return bb.norm(hidden)
+        return cast(Sequence[Qwen2DecoderLayer], self.backbone.layers[: self.layers])
+
+    def _layer(
+        self,
+        layer: Qwen2DecoderLayer,
+        i: int,
+        hidden: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        index: Tensor,
+        positions: Tensor,
+        span: int,
+        mask: Tensor,
+    ) -> Tensor:
+        residual = hidden
+        x = layer.input_layernorm(hidden)
+        hidden = residual + self._attention(layer.self_attn, x, cos, sin, i, index, positions, span, mask)
+        residual = hidden
+        return residual + layer.mlp(layer.post_attention_layernorm(hidden))
 
     def _attention(
         self,

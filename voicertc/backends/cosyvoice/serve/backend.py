@@ -520,6 +520,14 @@ class CosyVoice2Backend:
                         continue
                     if took and self._took_token(batch[i].utt, st, token, 0.0, time.perf_counter()):
                         still.append(i)
+                elif self._prefills_in_parts(st):
+                    try:
+                        fed, token = self._prefill_part(batch[i].utt, st, clock)
+                    except Exception as exc:  # noqa: BLE001 - this utterance's prompt only
+                        errors[i] = exc
+                        continue
+                    if fed and self._took_token(batch[i].utt, st, token, 0.0, time.perf_counter()):
+                        still.append(i)
                 else:
                     local.append(i)
             if local:
@@ -528,6 +536,50 @@ class CosyVoice2Backend:
             if not active or not clock.another():
                 break
         return [errors.get(i, SynthStep(sample_rate_hz=SAMPLE_RATE_HZ)) for i in range(len(batch))]
+
+    def _prefills_in_parts(self, st: Cv2State) -> bool:
+        """The prompt goes one decoder layer per part under the step budget (a CPU prompt of a few
+        hundred positions is a whole unit's budget several times over); captured decode (a GPU) and
+        bistream text segments feed in one forward."""
+        if st.prefill_parts is not None:
+            return True
+        session = st.llm
+        return (
+            self.budget.budget_s > 0
+            and self.graphs is None
+            and isinstance(session, LlmSession)
+            and isinstance(session.cache, KVSlot)
+            and not session.finished
+            and session.pending is not None
+            and session.pending.shape[1] > 1
+        )
+
+    def _prefill_part(
+        self, utt: Utterance[Cv2State], st: Cv2State, clock: UnitClock
+    ) -> tuple[bool, int | None]:
+        """Decoder layers of `st`'s prompt while another fits in the budget (at least one); once the
+        last is done, the first token as `decode_batch` draws it: (True, token), else (False, None)."""
+        session = st.llm
+        assert isinstance(session, LlmSession) and isinstance(session.cache, KVSlot)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            if st.prefill_parts is None:
+                prompt, session.pending = session.pending, None
+                assert prompt is not None
+                st.prefill_parts = session.cache.pool.forward_parts([session.cache], prompt)
+            while True:
+                try:
+                    next(st.prefill_parts)
+                except StopIteration as end:
+                    st.prefill_parts = None
+                    session.logits = self.model.llm.llm_decoder(end.value[0, -1])
+                    token = self.model.llm.accept(session)
+                    break
+                if not clock.another():
+                    utt.add_metric("llm_prefill_s", time.perf_counter() - started)
+                    return False, None
+        utt.add_metric("llm_prefill_s", time.perf_counter() - started)
+        return True, token
 
     def _decode_local(
         self, batch: Sequence[Cv2Job], rows: list[int], errors: dict[int, BaseException]
@@ -638,9 +690,10 @@ class CosyVoice2Backend:
         return [SynthStep(sample_rate_hz=SAMPLE_RATE_HZ) for _ in group]
 
     def _advance_flow(self, stream: StreamSolve, clock: UnitClock) -> list[Tensor] | None:
-        """Euler steps of `stream` while another fits in this unit's budget (at least one)."""
+        """Parts of `stream` (estimator stages; whole Euler steps on a runner) while another fits in
+        this unit's budget (at least one)."""
         while True:
-            mels = self.model.flow.advance_stream(stream, euler_steps=1)
+            mels = self.model.flow.advance_stream(stream, parts=1)
             if mels is not None or not clock.another():
                 return mels
 
@@ -689,9 +742,15 @@ class CosyVoice2Backend:
     def _window_part(
         self, job: Cv2Job, t2w: Token2WavStream, plan: ChunkPlan, started: float
     ) -> list[StepResult]:
-        """One part of a full-attention flow call (`WINDOW_EULER_STEPS` Euler steps); its mel at the end."""
+        """A bounded part of a full-attention flow call: its estimator parts while another fits in the
+        budget (`WINDOW_EULER_STEPS` Euler steps without one); its mel at the end."""
         st = self._state(job)
-        mel = t2w.flow_mel_part(plan, euler_steps=WINDOW_EULER_STEPS)
+        clock = self.budget.start()
+        if clock.budget_s <= 0:
+            mel = t2w.flow_mel_part(plan, euler_steps=WINDOW_EULER_STEPS)
+        else:
+            while (mel := t2w.flow_mel_part(plan, None, parts=1)) is None and clock.another():
+                pass
         st.window_flow_s += time.perf_counter() - started
         if mel is not None:  # solved: a speed window's long mel goes to the vocoder in pieces
             pieces = None if t2w.streaming else self.vocoder_piece_frames

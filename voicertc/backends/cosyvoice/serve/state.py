@@ -18,6 +18,7 @@ changes nothing. Text is taken from the utterance only by the `Frontend` unit.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Generator
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -141,6 +142,9 @@ class Cv2State:
     text_ended: bool = False  # deltas: the bistream session has been told
     llm: LlmSession | StreamedSession | None = None  # StreamedSession: `[engine] llm` decodes elsewhere
     llm_seed: int = 0  # a streamed segment's sampling seed (llm_seed + segment number)
+    prefill_parts: Generator[None, None, Tensor] | None = (
+        None  # `llm`'s prompt fed a layer per part, unfinished
+    )
     segments_started: int = 0
     bistream: BistreamSession | None = None
     t2w: Token2WavStream | None = None
@@ -168,6 +172,7 @@ class Cv2State:
 
     def end_llm(self) -> None:
         """Give the LLM session's KV slot back (the session is over)."""
+        self.prefill_parts = None
         for session in (self.llm, self.bistream):
             if isinstance(session, StreamedSession):
                 session.close()

@@ -195,11 +195,14 @@ class Token2WavStream:
         assert mel is not None
         return mel
 
-    def flow_mel_part(self, plan: ChunkPlan, euler_steps: int | None) -> Tensor | None:
+    def flow_mel_part(
+        self, plan: ChunkPlan, euler_steps: int | None, *, parts: int | None = None
+    ) -> Tensor | None:
         """The flow's mel for `plan`; a final chunk with `final_chunk = "reference"` (or a window of a
         non-streaming utterance) is a full-attention call (the official non-stream token2wav) solved
-        `euler_steps` Euler steps per call (None: all): None until its last step, then its new frames,
-        re-timed by `speed`. A streaming chunk is always computed whole (it is bounded by the schedule)."""
+        `euler_steps` Euler steps per call (None: all), or `parts` estimator parts per call: None until
+        its last step, then its new frames, re-timed by `speed`. A streaming chunk is computed whole here
+        (the engine solves it in parts through `CausalFlow.start_stream_batch`)."""
         assert self.flow_state is not None
         full_attention = not self.streaming or (plan.final and self.full_attention_final)
         if not full_attention:
@@ -207,7 +210,7 @@ class Token2WavStream:
         if self.window is None or self.window_end_tokens != plan.end_tokens:
             self.window = self._start_window(plan)
             self.window_end_tokens = plan.end_tokens
-        mel = self.flow.advance_window(self.window, euler_steps)
+        mel = self.flow.advance_window(self.window, euler_steps, parts=parts)
         if mel is None:
             return None
         self.window = None

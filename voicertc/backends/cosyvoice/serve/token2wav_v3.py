@@ -61,12 +61,14 @@ class Token2WavStreamV3(Token2WavStream):
         if self.flow_history == "rerun" and self.reference_prompt is None:
             raise ValueError("flow_history 'rerun' needs the voice's flow prompt (reference_prompt)")
 
-    def flow_mel_part(self, plan: ChunkPlan, euler_steps: int | None) -> Tensor | None:
+    def flow_mel_part(
+        self, plan: ChunkPlan, euler_steps: int | None, *, parts: int | None = None
+    ) -> Tensor | None:
         """The cached flow step, or with `flow_history = "rerun"` upstream's streamed call: the
         chunk-masked flow over every token so far (+ lookahead), its new frames (a "reference" final
         chunk: full attention over everything, as upstream), in one call (a verification mode)."""
         if self.flow_history == "cached":
-            return super().flow_mel_part(plan, euler_steps)
+            return super().flow_mel_part(plan, euler_steps, parts=parts)
         assert self.reference_prompt is not None and self.flow_state is not None
         upto = len(self.tokens) if plan.final else plan.end_tokens + self.schedule.lookahead_tokens
         tokens = torch.tensor([self.tokens[:upto]], dtype=torch.long)

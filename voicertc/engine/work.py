@@ -11,7 +11,8 @@ does them together. Units are frozen values: equal units of different utterances
 * `FlowChunk` one flow chunk, advancing the flow state by `advance_tokens` (batched when equal); a
   chunk whose Euler steps do not fit in one engine step goes on in units that name its `solve`, which
   batch with the chunk's other members only;
-* `Vocode`    HiFT for the mel a `FlowChunk` produced (batched across utterances of equal `frames`);
+* `Vocode`    HiFT for the mel a `FlowChunk` produced (batched across utterances of equal `frames`); one
+  that does not fit in an engine step goes on in units that name its `solve`, as a `FlowChunk`;
 * `Finish`    nothing left to synthesise: the utterance is done;
 * `Synth`     one whole step of a backend that does not split its work (Piper, the fake engine).
 """
@@ -51,6 +52,7 @@ class FlowChunk:
 class Vocode:
     frames: int = 0  # the vocoder input's length (rows batch only when equal: the vocoder is non-causal)
     final: bool = False
+    solve: int = 0  # != 0: the rest of a started vocoder batch (its number), as `FlowChunk.solve`
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ def batch_key(work: Work) -> tuple[object, ...] | None:
     if isinstance(work, FlowChunk):
         return ("flow", work.advance_tokens, work.final, work.solve)
     if isinstance(work, Vocode):
-        return ("vocode", work.frames)
+        return ("vocode", work.frames, work.solve)
     return None
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import numpy as np
 import torch
@@ -53,6 +53,41 @@ def hift_stream_step_batch(
     # mel_chunks: B x [1, 80, T_new] -> B x pcm [N]
     if len(states) == 1:
         return [hift_stream_step(hift, mel_chunks[0], states[0], finalize[0], generator=generators[0])]
+    mels, mel, source = _excitation(hift, mel_chunks, states, generators)
+    speech = hift.decode(mel, source)
+    return [
+        finish_chunk(speech[row : row + 1], source[row : row + 1], mels[row], state, final)
+        for row, (state, final) in enumerate(zip(states, finalize, strict=True))
+    ]
+
+
+def hift_stream_step_parts(
+    hift: HiFTGenerator,
+    mel_chunks: Sequence[Tensor],
+    states: Sequence[HiftStreamState],
+    finalize: Sequence[bool],
+    generators: Sequence[torch.Generator | None],
+) -> Generator[None, None, list[Tensor]]:
+    """`hift_stream_step_batch` (one row or more) in parts: the excitation, then each upsampling stage
+    (`HiFTGenerator.decode_parts`); the states change only in the last part, when the PCM is returned.
+    Run each `next()` under `torch.inference_mode()`."""
+    mels, mel, source = _excitation(hift, mel_chunks, states, generators)
+    yield
+    speech = yield from hift.decode_parts(mel, source)
+    return [
+        finish_chunk(speech[row : row + 1], source[row : row + 1], mels[row], state, final)
+        for row, (state, final) in enumerate(zip(states, finalize, strict=True))
+    ]
+
+
+def _excitation(
+    hift: HiFTGenerator,
+    mel_chunks: Sequence[Tensor],
+    states: Sequence[HiftStreamState],
+    generators: Sequence[torch.Generator | None],
+) -> tuple[list[Tensor], Tensor, Tensor]:
+    """The rows' vocoder inputs (mel cache prepended), their batch, and its excitation: each row drawn
+    from its own generator, its first samples the row's cached source (`HiFTGenerator.infer` per row)."""
     mels = [prepend_mel_cache(mel_chunk, state) for mel_chunk, state in zip(mel_chunks, states, strict=True)]
     if len({m.shape[2] for m in mels}) != 1:
         raise ValueError("a HiFT batch needs vocoder inputs of one length")
@@ -71,11 +106,7 @@ def hift_stream_step_batch(
     for row, state in enumerate(states):
         if state.source_cache is not None and state.source_cache.shape[2] > 0:
             source[row : row + 1, :, : state.source_cache.shape[2]] = state.source_cache
-    speech = hift.decode(mel, source)
-    return [
-        finish_chunk(speech[row : row + 1], source[row : row + 1], mels[row], state, final)
-        for row, (state, final) in enumerate(zip(states, finalize, strict=True))
-    ]
+    return mels, mel, source
 
 
 def _sync_copy(pcm: Tensor) -> Callable[[], np.ndarray]:
@@ -92,6 +123,46 @@ def vocode_batch(
 ) -> list[Chunk]:
     """`Token2WavStream.complete` for several streams in one HiFT forward (equal vocoder lengths)."""
     started = time.perf_counter()
+    pcm = hift_stream_step_batch(
+        streams[0].hift,
+        [m.float() for m in mels],  # HiFT stays float32 when the flow runs in half precision
+        _states(streams),
+        [p.final for p in plans],
+        [s.generator for s in streams],
+    )
+    return _complete(streams, plans, mels, flow_s, pcm, to_host, time.perf_counter() - started)
+
+
+def vocode_batch_parts(
+    streams: Sequence[Token2WavStream],
+    plans: Sequence[ChunkPlan],
+    mels: Sequence[Tensor],
+    flow_s: Sequence[float],
+    to_host: HostCopyAsync = _sync_copy,
+) -> Generator[None, None, list[Chunk]]:
+    """`vocode_batch` in parts (`hift_stream_step_parts`), for an engine unit's budget: the streams
+    change only in the last part, which returns the chunks. Run each `next()` under inference mode."""
+    states = _states(streams)
+    parts = hift_stream_step_parts(
+        streams[0].hift,
+        [m.float() for m in mels],
+        states,
+        [p.final for p in plans],
+        [s.generator for s in streams],
+    )
+    spent_s = 0.0
+    while True:
+        started = time.perf_counter()
+        try:
+            next(parts)
+        except StopIteration as end:
+            spent_s += time.perf_counter() - started
+            return _complete(streams, plans, mels, flow_s, end.value, to_host, spent_s)
+        spent_s += time.perf_counter() - started
+        yield
+
+
+def _states(streams: Sequence[Token2WavStream]) -> list[HiftStreamState]:
     states = []
     for stream in streams:
         if stream.hift_state is None:
@@ -99,15 +170,21 @@ def vocode_batch(
         if stream.source_fn is not None:
             raise ValueError("an injected excitation (source_fn) is vocoded alone")
         states.append(stream.hift_state)
-    pcm = hift_stream_step_batch(
-        streams[0].hift,
-        [m.float() for m in mels],  # HiFT stays float32 when the flow runs in half precision
-        states,
-        [p.final for p in plans],
-        [s.generator for s in streams],
-    )
+    return states
+
+
+def _complete(
+    streams: Sequence[Token2WavStream],
+    plans: Sequence[ChunkPlan],
+    mels: Sequence[Tensor],
+    flow_s: Sequence[float],
+    pcm: list[Tensor],
+    to_host: HostCopyAsync,
+    spent_s: float,
+) -> list[Chunk]:
+    started = time.perf_counter()
     waits = [to_host(p) for p in pcm]  # every copy queued before the first wait
-    vocoder_s = (time.perf_counter() - started) / len(streams)
+    vocoder_s = (spent_s + time.perf_counter() - started) / len(streams)
     chunks = []
     for stream, plan, mel, wait, seconds in zip(streams, plans, mels, waits, flow_s, strict=True):
         chunk = Chunk(stream.chunk_index, mel, wait(), plan.final, flow_s=seconds, vocoder_s=vocoder_s)

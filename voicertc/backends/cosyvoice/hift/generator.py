@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -279,20 +279,40 @@ class HiFTGenerator(nn.Module):
 
     def decode_eager(self, mel: Tensor, source: Tensor, transform: ConvStft | None = None) -> Tensor:
         """The generator network; `transform` replaces torch's STFT pair (an ONNX or captured graph)."""
-        c = self.config
         stft, istft = self._stft, self._istft
         if transform is not None:
             stft, istft = transform.stft, transform.istft
         source_stft = stft(source.squeeze(1))
         x = self.conv_pre(mel)
+        for i in range(len(self.ups)):
+            x = self._up_stage(i, x, source_stft)
+        return self._to_wav(x, istft)
+
+    def decode_parts(self, mel: Tensor, source: Tensor) -> Generator[None, None, Tensor]:
+        """`decode` one upsampling stage per `next()` (an engine unit's budget on a slow CPU): the same
+        operations in the same order; the wav is the generator's return. A `decode_runner` (captured
+        steps) runs whole."""
+        if self.decode_runner is not None:
+            return self.decode_runner(mel, source)
+        source_stft = self._stft(source.squeeze(1))
+        x = self.conv_pre(mel)
+        for i in range(len(self.ups)):
+            x = self._up_stage(i, x, source_stft)
+            yield
+        return self._to_wav(x, self._istft)
+
+    def _up_stage(self, i: int, x: Tensor, source_stft: Tensor) -> Tensor:
+        c = self.config
+        x = self.ups[i](F.leaky_relu(x, c.lrelu_slope))
+        if i == len(self.ups) - 1:
+            x = F.pad(x, (1, 0), mode="reflect")
+        x = x + self.source_resblocks[i](self.source_downs[i](source_stft))
         kernels = len(c.resblock_kernel_sizes)
-        for i, up in enumerate(self.ups):
-            x = up(F.leaky_relu(x, c.lrelu_slope))
-            if i == len(self.ups) - 1:
-                x = F.pad(x, (1, 0), mode="reflect")
-            x = x + self.source_resblocks[i](self.source_downs[i](source_stft))
-            blocks = self.resblocks[i * kernels : (i + 1) * kernels]
-            x = sum(block(x) for block in blocks) / kernels
+        blocks = self.resblocks[i * kernels : (i + 1) * kernels]
+        return sum(block(x) for block in blocks) / kernels
+
+    def _to_wav(self, x: Tensor, istft: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+        c = self.config
         x = self.conv_post(F.leaky_relu(x))
         bins = c.istft_n_fft // 2 + 1
         magnitude = torch.exp(x[:, :bins]).clamp(max=1e2)

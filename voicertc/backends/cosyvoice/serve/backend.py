@@ -37,8 +37,7 @@ from voicertc.audio.decode import Clip
 from voicertc.backends.cosyvoice.accel.apply import apply_accel, vllm_export_dir
 from voicertc.backends.cosyvoice.accel.captured import CudaCapture, run_eagerly
 from voicertc.backends.cosyvoice.flow.flow import FlowStreamState, StreamSolve
-from voicertc.backends.cosyvoice.hift.batch import vocode_batch
-from voicertc.backends.cosyvoice.hift.stream import HiftStreamState
+from voicertc.backends.cosyvoice.hift.batch import vocode_batch, vocode_batch_parts
 from voicertc.backends.cosyvoice.llm.batch import decode_batch
 from voicertc.backends.cosyvoice.llm.bistream import BistreamSession
 from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs
@@ -56,7 +55,13 @@ from voicertc.backends.cosyvoice.serve.captured_stages import (
 )
 from voicertc.backends.cosyvoice.serve.device_lane import DeviceLane, resolve_device
 from voicertc.backends.cosyvoice.serve.modes import LlmPrompt, llm_prompt
-from voicertc.backends.cosyvoice.serve.state import Cv2State, FlowedChunk, PendingFlow
+from voicertc.backends.cosyvoice.serve.state import (
+    Cv2State,
+    FlowedChunk,
+    HiftSnapshot,
+    PendingFlow,
+    PendingVocode,
+)
 from voicertc.backends.cosyvoice.serve.step_budget import Clock, StepBudget, UnitClock
 from voicertc.backends.cosyvoice.serve.streams import token2wav_stream
 from voicertc.backends.cosyvoice.serve.token2wav import Chunk, ChunkPlan, Token2WavStream
@@ -774,7 +779,12 @@ class CosyVoice2Backend:
 
     def _run_vocode(self, batch: Sequence[Cv2Job]) -> list[StepResult]:
         """HiFT for every row in one forward (the scheduler batched equal vocoder lengths); if the batch
-        fails, each row is retried alone (its HiFT state is only written once its own row succeeded)."""
+        fails, each row is retried alone (its HiFT state is only written once its own row succeeded).
+        Under `[engine] max_step_ms` (eager HiFT) the forward goes in parts across units (`PendingVocode`)."""
+        work = batch[0].work
+        assert isinstance(work, Vocode)
+        if work.solve:
+            return self._continue_vocode(batch)
         try:
             states = [self._state(job) for job in batch]
             t2ws = [st.t2w for st in states]
@@ -783,16 +793,28 @@ class CosyVoice2Backend:
             pieces = [st.flowed.next_piece(t2w.emitted_tokens) for st, t2w in zip(states, t2ws, strict=True)]  # type: ignore[union-attr]
         except Exception as exc:  # noqa: BLE001 - isolated per utterance
             return self._vocode_alone(batch) if len(batch) > 1 else [exc]
-        if len(batch) > 1:
-            saved = [_hift_snapshot(t) for t in t2ws]  # type: ignore[arg-type]
+        saved = [_hift_snapshot(t) for t in t2ws]  # type: ignore[arg-type]
+        args = (
+            t2ws,
+            [plan for plan, _, _ in pieces],
+            [mel for _, mel, _ in pieces],
+            [st.flowed.flow_s for st in states],  # type: ignore[union-attr]
+        )
         try:
-            chunks = vocode_batch(
-                t2ws,  # type: ignore[arg-type]
-                [plan for plan, _, _ in pieces],
-                [mel for _, mel, _ in pieces],
-                [st.flowed.flow_s for st in states],  # type: ignore[union-attr]
-                to_host=self.lane.to_host_async,
-            )
+            if self.budget.budget_s > 0 and self.model.hift.decode_runner is None:
+                members = [
+                    (st, t2w, rest) for st, t2w, (_, _, rest) in zip(states, t2ws, pieces, strict=True)
+                ]
+                parts = vocode_batch_parts(*args, to_host=self.lane.to_host_async)  # type: ignore[arg-type]
+                pending = PendingVocode(next(self._solves), parts, members, saved, work.frames, work.final)  # type: ignore[arg-type]
+                chunks = self._advance_vocode(pending, self.budget.start())
+                if chunks is None:  # the rest of its parts in the next units
+                    for st in states:
+                        st.vocode_solve = pending
+                    return [SynthStep(sample_rate_hz=SAMPLE_RATE_HZ) for _ in batch]
+            else:
+                chunks = vocode_batch(*args, to_host=self.lane.to_host_async)  # type: ignore[arg-type]
+                self.stats["vocode_batches"] += 1
         except Exception as exc:  # noqa: BLE001 - retried alone below (or the lone row fails)
             if len(batch) == 1:
                 return [exc]
@@ -800,14 +822,65 @@ class CosyVoice2Backend:
             for t2w, snapshot in zip(t2ws, saved, strict=True):
                 _hift_restore(t2w, snapshot)  # type: ignore[arg-type]
             return self._vocode_alone(batch)
-        self.stats["vocode_batches"] += 1
         results: list[StepResult] = []
         for job, st, chunk, (_, _, rest) in zip(batch, states, chunks, pieces, strict=True):
             st.flowed = rest
-            self._account(job.utt, chunk)
-            pcm = [chunk.pcm] if chunk.pcm.size else []
-            results.append(SynthStep(pcm=pcm, sample_rate_hz=SAMPLE_RATE_HZ))
+            results.append(self._vocoded(job, chunk))
         return results
+
+    def _vocoded(self, job: Cv2Job, chunk: Chunk) -> SynthStep:
+        self._account(job.utt, chunk)
+        return SynthStep(pcm=[chunk.pcm] if chunk.pcm.size else [], sample_rate_hz=SAMPLE_RATE_HZ)
+
+    def _advance_vocode(self, pending: PendingVocode, clock: UnitClock) -> list[Chunk] | None:
+        """Parts of `pending` (the excitation, then HiFT's upsampling stages) while another fits in this
+        unit's budget (at least one); its chunks at the end."""
+        with torch.inference_mode():
+            while True:
+                try:
+                    next(pending.parts)
+                except StopIteration as end:
+                    chunks: list[Chunk] = end.value
+                    pending.chunks = chunks
+                    self.stats["vocode_batches"] += 1
+                    return chunks
+                if not clock.another():
+                    return None
+
+    def _continue_vocode(self, group: Sequence[Cv2Job]) -> list[StepResult]:
+        """The next parts of a started vocoder batch (`group` holds some or all of its members); once it
+        is done, each member's chunk (a member not in the last unit takes its chunk in its next one)."""
+        pending = self._state(group[0]).vocode_solve
+        if pending is None or any(self._state(job).vocode_solve is not pending for job in group):
+            return [RuntimeError("a vocoder step continued without its started batch") for _ in group]
+        if pending.chunks is None:
+            try:
+                if self._advance_vocode(pending, self.budget.start()) is None:
+                    return [SynthStep(sample_rate_hz=SAMPLE_RATE_HZ) for _ in group]
+            except Exception as exc:  # noqa: BLE001 - every member starts its step again (or the lone one fails)
+                return self._restart_vocode(pending, group, exc)
+        assert pending.chunks is not None
+        results: list[StepResult] = []
+        for job in group:
+            st = self._state(job)
+            row = next(i for i, (member, _, _) in enumerate(pending.members) if member is st)
+            st.vocode_solve = None
+            st.flowed = pending.members[row][2]
+            results.append(self._vocoded(job, pending.chunks[row]))
+        return results
+
+    def _restart_vocode(
+        self, pending: PendingVocode, group: Sequence[Cv2Job], exc: Exception
+    ) -> list[StepResult]:
+        for st, t2w, _ in pending.members:
+            if st.vocode_solve is pending:
+                st.vocode_solve = None
+                _hift_restore(t2w, pending.saved[[m[0] for m in pending.members].index(st)])
+        if len(pending.members) == 1:
+            return [exc for _ in group]  # the lone member fails
+        logger.warning("batched vocoder step failed; its utterances vocode their chunks again alone")
+        self.stats["batch_fallbacks"] += 1
+        return [r for job in group for r in self._run_vocode([Job(job.utt, replace(job.work, solve=0))])]  # type: ignore[arg-type]
 
     def _vocode_alone(self, batch: Sequence[Cv2Job]) -> list[StepResult]:
         return [r for job in batch for r in self._run_vocode([job])]
@@ -825,15 +898,20 @@ def _flow_state(job: Cv2Job, t2w: Token2WavStream) -> FlowStreamState:
     return t2w.flow_state
 
 
-def _hift_snapshot(t2w: Token2WavStream) -> HiftStreamState | None:
+def _hift_snapshot(t2w: Token2WavStream) -> HiftSnapshot:
+    """What a vocoder step may change: the HiFT stream state and the excitation's random generator (a
+    step retried after a failure draws the same excitation, so it makes the same audio)."""
     state = t2w.hift_state
-    return None if state is None else replace(state)
+    rng = t2w.generator.get_state() if t2w.generator is not None else None
+    return HiftSnapshot(None if state is None else replace(state), rng)
 
 
-def _hift_restore(t2w: Token2WavStream, snapshot: HiftStreamState | None) -> None:
-    if snapshot is not None and t2w.hift_state is not None:
-        t2w.hift_state.__dict__.update(snapshot.__dict__)
+def _hift_restore(t2w: Token2WavStream, snapshot: HiftSnapshot) -> None:
+    if snapshot.state is not None and t2w.hift_state is not None:
+        t2w.hift_state.__dict__.update(snapshot.state.__dict__)
         t2w.finished = False
+    if snapshot.rng is not None and t2w.generator is not None:
+        t2w.generator.set_state(snapshot.rng)
 
 
 def register_voice_command(

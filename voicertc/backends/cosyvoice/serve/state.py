@@ -27,12 +27,13 @@ import torch
 from torch import Tensor
 
 from voicertc.backends.cosyvoice.flow.flow import FlowStreamState, StreamSolve
+from voicertc.backends.cosyvoice.hift.stream import HiftStreamState
 from voicertc.backends.cosyvoice.llm.bistream import BistreamSession
 from voicertc.backends.cosyvoice.llm.kv import KVSlot
 from voicertc.backends.cosyvoice.llm.qwen2lm import LlmSession
 from voicertc.backends.cosyvoice.llm.streamer import StreamedSession
 from voicertc.backends.cosyvoice.serve.modes import LlmPrompt
-from voicertc.backends.cosyvoice.serve.token2wav import ChunkPlan, Token2WavStream
+from voicertc.backends.cosyvoice.serve.token2wav import Chunk, ChunkPlan, Token2WavStream
 from voicertc.backends.cosyvoice.voice.text import SentenceStream
 from voicertc.backends.cosyvoice.voice.text_prep import PreparedText
 from voicertc.backends.cosyvoice.voice.voices import Voice
@@ -87,6 +88,32 @@ class PendingFlow:
     def unit(self) -> FlowChunk:
         plan = self.members[0][2]
         return FlowChunk(plan.advance_tokens, plan.final, solve=self.number)
+
+
+@dataclass(frozen=True)
+class HiftSnapshot:
+    """A stream's vocoder state before a step: HiFT caches and its excitation generator's state."""
+
+    state: HiftStreamState | None
+    rng: Tensor | None
+
+
+@dataclass(eq=False)
+class PendingVocode:
+    """A vocoder step batched across `members` between its parts (engine thread), as `PendingFlow`: each
+    member's next unit continues it (`Vocode(solve=number)`); the last part returns every row's chunk.
+    A member released meanwhile keeps its row (computed, then dropped)."""
+
+    number: int
+    parts: Generator[None, None, list[Chunk]]
+    members: list[tuple[Cv2State, Token2WavStream, FlowedChunk | None]]  # (state, stream, mel left after)
+    saved: list[HiftSnapshot]  # the members' vocoder states before the step (a failure retries them)
+    frames: int
+    final: bool
+    chunks: list[Chunk] | None = None  # once its last part ran: a chunk per member, in order
+
+    def unit(self) -> Vocode:
+        return Vocode(frames=self.frames, final=self.final, solve=self.number)
 
 
 @dataclass
@@ -150,6 +177,7 @@ class Cv2State:
     t2w: Token2WavStream | None = None
     flowed: FlowedChunk | None = None
     flow_solve: PendingFlow | None = None  # set while a flow chunk of this utterance is between Euler steps
+    vocode_solve: PendingVocode | None = None  # set while a vocoder step of this utterance is between parts
     window_flow_s: float = 0.0  # flow time of a full-attention call solved so far (its earlier units)
     done: bool = False
     started_s: float | None = None  # worker clock at the first unit
@@ -167,6 +195,7 @@ class Cv2State:
         self.t2w = None
         self.flowed = None
         self.flow_solve = None
+        self.vocode_solve = None
         self.segments = None
         self.done = True
 
@@ -203,6 +232,8 @@ class Cv2State:
         """The unit that makes progress now, or None when only new text (or a streamed token) can help."""
         if self.done:
             return None
+        if self.vocode_solve is not None:
+            return self.vocode_solve.unit()
         if self.flowed is not None:
             hift = self.t2w.hift_state if self.t2w is not None else None
             frames = self.flowed.next_frames

@@ -531,8 +531,8 @@ class CosyVoice2Backend:
                     except Exception as exc:  # noqa: BLE001 - this utterance's prompt only
                         errors[i] = exc
                         continue
-                    if fed and self._took_token(batch[i].utt, st, token, 0.0, time.perf_counter()):
-                        still.append(i)
+                    if fed:  # its first token: it decodes on from the next unit (the prompt used this one)
+                        self._took_token(batch[i].utt, st, token, 0.0, time.perf_counter())
                 else:
                     local.append(i)
             if local:
@@ -675,8 +675,9 @@ class CosyVoice2Backend:
             if whole:
                 return self._window_part(group[0], t2ws[0], ready[0], started)
             tokens = [p.new_tokens for p in ready]
+            clock = self.budget.start()  # the encoder's share counts too
             stream = self.model.flow.start_stream_batch(tokens, flow_states, work.final)
-            mels = self._advance_flow(stream, self.budget.start())
+            mels = self._advance_flow(stream, clock)
         except Exception as exc:  # noqa: BLE001 - retried alone below (or the lone member fails)
             if len(group) == 1:
                 return [exc]

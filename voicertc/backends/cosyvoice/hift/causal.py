@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -301,6 +302,27 @@ class CausalHiFTGenerator(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """`step` on B rows [B, 80, n] that share one (batched) state, each row with its own excitation
         state `sources[b]` (`hift.causal_batch` builds and splits such states)."""
+        parts = self.step_rows_parts(mel, state, sources, final=final, source=source)
+        while True:
+            try:
+                next(parts)
+            except StopIteration as end:
+                result: tuple[Tensor, Tensor] = end.value
+                return result
+
+    def step_rows_parts(
+        self,
+        mel: Tensor,
+        state: HiftStreamState,
+        sources: list[SourceState],
+        *,
+        final: bool,
+        source: Tensor | None = None,
+    ) -> Generator[None, None, tuple[Tensor, Tensor]]:
+        """`step_rows` one part per `next()` (the excitation and `conv_pre`, each upsampling stage, then
+        `conv_post`, the iSTFT and the hold-back): the same operations in the same order; its result is
+        the generator's return. `state` changes as the parts run (`hift.causal_batch` gives it a merged
+        copy and writes the rows back at the end). Run each `next()` under `torch.inference_mode()`."""
         if state.finished:
             raise ValueError("this HiFT stream is already finalized")
         state.final = final
@@ -308,8 +330,13 @@ class CausalHiFTGenerator(nn.Module):
         state.work_frames = mel.shape[2]
         mel = mel.float()
         excitation = self._excitation(mel, state, source, sources)
-        x = self._generate(mel, self._stft(excitation, state), state)
-        pcm = self._istft(x, state)
+        stft = self._stft(excitation, state)
+        x = self.conv_pre(mel, state)
+        yield
+        for i in range(len(self.ups)):
+            x = self._up_stage(i, x, stft, state)
+            yield
+        pcm = self._istft(self.conv_post(F.leaky_relu(x), state), state)
         if state.pcm is not None:
             pcm = torch.cat([state.pcm, pcm], dim=1)
         spf = self.config.samples_per_frame
@@ -369,22 +396,18 @@ class CausalHiFTGenerator(nn.Module):
         state.pending[key] = (a[:, :, n:], b[:, :, n:])
         return a[:, :, :n], b[:, :, :n]
 
-    def _generate(self, mel: Tensor, stft: Tensor, state: HiftStreamState) -> Tensor:
-        # -> conv_post output [1, n_fft + 2, m] for the iSTFT frames complete now
+    def _up_stage(self, i: int, x: Tensor, stft: Tensor, state: HiftStreamState) -> Tensor:
         c = self.config
-        x = self.conv_pre(mel, state)
+        x = self.ups[i](F.leaky_relu(x, c.lrelu_slope), state)
+        if i == len(self.ups) - 1 and not state.reflected and x.shape[2] >= 2:
+            x = torch.cat([x[:, :, 1:2], x], dim=2)  # ReflectionPad1d((1, 0)) at the stream start
+            state.reflected = True
+        si = self.source_resblocks[i](self.source_downs[i](stft, state), state)
+        x, si = self._paired(state, i, x, si)
+        x = x + si
         kernels = len(c.resblock_kernel_sizes)
-        for i, up in enumerate(self.ups):
-            x = up(F.leaky_relu(x, c.lrelu_slope), state)
-            if i == len(self.ups) - 1 and not state.reflected and x.shape[2] >= 2:
-                x = torch.cat([x[:, :, 1:2], x], dim=2)  # ReflectionPad1d((1, 0)) at the stream start
-                state.reflected = True
-            si = self.source_resblocks[i](self.source_downs[i](stft, state), state)
-            x, si = self._paired(state, i, x, si)
-            x = x + si
-            blocks = self.resblocks[i * kernels : (i + 1) * kernels]
-            x = sum(block(x, state) for block in blocks) / kernels
-        return self.conv_post(F.leaky_relu(x), state)
+        blocks = self.resblocks[i * kernels : (i + 1) * kernels]
+        return sum(block(x, state) for block in blocks) / kernels
 
     def _istft(self, x: Tensor, state: HiftStreamState) -> Tensor:
         # x: [1, n_fft + 2, m] new frames -> [1, N] output samples complete now (before the hold-back)

@@ -15,7 +15,7 @@ batch can be retried row by row.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Generator, Hashable, Sequence
 from typing import TypeVar
 
 import torch
@@ -123,6 +123,22 @@ def step_batch(
 ) -> list[Tensor]:
     """`hift.step` for rows in one phase (`phase_key`); -> each row's new samples [N]."""
     # mels: B x [1, 80, n] -> B x pcm [N]
+    parts = step_batch_parts(hift, mels, states, final=final)
+    with torch.inference_mode():
+        while True:
+            try:
+                next(parts)
+            except StopIteration as end:
+                pcm: list[Tensor] = end.value
+                return pcm
+
+
+def step_batch_parts(
+    hift: CausalHiFTGenerator, mels: Sequence[Tensor], states: Sequence[HiftStreamState], *, final: bool
+) -> Generator[None, None, list[Tensor]]:
+    """`step_batch` in parts (`CausalHiFTGenerator.step_rows_parts` on the merged state); the rows'
+    states change only in the last part, which returns each row's samples. Run each `next()` under
+    inference mode."""
     if len(states) != len(mels) or not states:
         raise ValueError("step_batch needs one mel chunk per state (and at least one)")
     keys = {phase_key(hift, s, m.shape[2], final) for s, m in zip(states, mels, strict=True)}
@@ -131,7 +147,9 @@ def step_batch(
     merged = _merged(states)
     before = {name: getattr(merged, name) for name in COUNTERS}
     sources = [s.source.copy() for s in states]
-    pcm, _ = hift.step_rows(torch.cat([m.float() for m in mels]), merged, sources, final=final)
+    pcm, _ = yield from hift.step_rows_parts(
+        torch.cat([m.float() for m in mels]), merged, sources, final=final
+    )
     _split(before, merged, states)
     for state, source in zip(states, sources, strict=True):
         state.source = source

@@ -26,12 +26,14 @@ from voicertc.backends.cosyvoice.serve.backend import (
     SAMPLE_RATE_HZ,
     CosyVoice2Backend,
     Cv2Job,
+    _hift_snapshot,
     backend_options,
 )
 from voicertc.backends.cosyvoice.serve.device_lane import resolve_device
 from voicertc.backends.cosyvoice.serve.modes import LlmPrompt, llm_prompt
-from voicertc.backends.cosyvoice.serve.state import Cv2State
-from voicertc.backends.cosyvoice.serve.token2wav_v3 import vocode_batch_v3
+from voicertc.backends.cosyvoice.serve.state import Cv2State, PendingVocode
+from voicertc.backends.cosyvoice.serve.step_budget import UnitClock
+from voicertc.backends.cosyvoice.serve.token2wav_v3 import vocode_batch_v3, vocode_batch_v3_parts
 from voicertc.backends.cosyvoice.voice.text_v3 import DEFAULT_SYSTEM_PROMPT, ENDOFPROMPT
 from voicertc.backends.cosyvoice.voice.voices import Voice
 from voicertc.config import Config
@@ -61,6 +63,8 @@ class Cv3State(Cv2State):
     no mel cache)."""
 
     def plan(self, utt: Utterance[Cv2State]) -> Work | None:
+        if not self.done and self.vocode_solve is not None:
+            return self.vocode_solve.unit()
         if not self.done and self.flowed is not None:
             return Vocode(frames=self.flowed.mel.shape[2], final=self.flowed.plan.final)
         return super().plan(utt)
@@ -83,7 +87,12 @@ class CosyVoice3Backend(CosyVoice2Backend):
 
     def _run_vocode(self, batch: Sequence[Cv2Job]) -> list[StepResult]:
         """The rows' incremental HiFT: rows in one stream phase as one forward (`vocode_batch_v3`),
-        the others alone; a failed batch is retried row by row (its states are untouched)."""
+        the others alone; a failed batch is retried row by row (its states are untouched). Under
+        `[engine] max_step_ms` each phase group goes in parts across units (`PendingVocode`)."""
+        work = batch[0].work
+        assert isinstance(work, Vocode)
+        if work.solve:
+            return self._continue_vocode(batch)
         results: dict[int, StepResult] = {}
         groups: dict[Hashable, list[int]] = {}
         for i, job in enumerate(batch):
@@ -95,6 +104,11 @@ class CosyVoice3Backend(CosyVoice2Backend):
                 groups.setdefault(key, []).append(i)
             except Exception as exc:  # noqa: BLE001 - isolated per utterance
                 results[i] = exc
+        if self.budget.budget_s > 0:
+            clock = self.budget.start()
+            for rows in groups.values():
+                self._start_parts(batch, rows, results, clock)
+            return [results[i] for i in range(len(batch))]
         for rows in groups.values():
             if len(rows) > 1:
                 try:
@@ -109,6 +123,50 @@ class CosyVoice3Backend(CosyVoice2Backend):
                     results[i] = exc
         self.stats["vocode_batches"] += len(groups)
         return [results[i] for i in range(len(batch))]
+
+    def _start_parts(
+        self, batch: Sequence[Cv2Job], rows: list[int], results: dict[int, StepResult], clock: UnitClock
+    ) -> None:
+        """One phase group's vocoder step in parts: its first parts now (at least one), the rest in the
+        members' next units; a failure retries each row alone (whole: the states are untouched)."""
+        jobs = [batch[i] for i in rows]
+        states = [self._state(job) for job in jobs]
+        t2ws = [st.t2w for st in states]
+        flowed = [st.flowed for st in states]
+        try:
+            parts = vocode_batch_v3_parts(
+                t2ws,  # type: ignore[arg-type]
+                [f.plan for f in flowed],  # type: ignore[union-attr]
+                [f.mel for f in flowed],  # type: ignore[union-attr]
+                [f.flow_s for f in flowed],  # type: ignore[union-attr]
+                to_host=self.lane.to_host_async,
+            )
+            work = jobs[0].work
+            assert isinstance(work, Vocode)
+            members = [(st, t2w, None) for st, t2w in zip(states, t2ws, strict=True)]
+            saved = [_hift_snapshot(t2w) for t2w in t2ws]  # type: ignore[arg-type]
+            pending = PendingVocode(next(self._solves), parts, members, saved, work.frames, work.final)  # type: ignore[arg-type]
+            chunks = self._advance_vocode(pending, clock)
+        except Exception as exc:  # noqa: BLE001 - each row again alone (or the lone one fails)
+            if len(rows) == 1:
+                results[rows[0]] = exc
+                return
+            logger.warning("batched v3 vocoder step failed; retrying its %d rows alone", len(rows))
+            self.stats["batch_fallbacks"] += 1
+            for i in rows:
+                try:
+                    self._vocode_rows([batch[i]], results, [i])
+                except Exception as row_exc:  # noqa: BLE001 - isolated per utterance
+                    results[i] = row_exc
+            return
+        if chunks is None:
+            for i, st in zip(rows, states, strict=True):
+                st.vocode_solve = pending
+                results[i] = SynthStep(sample_rate_hz=SAMPLE_RATE_HZ)
+            return
+        for i, job, st, chunk in zip(rows, jobs, states, chunks, strict=True):
+            st.flowed = None
+            results[i] = self._vocoded(job, chunk)
 
     def _vocode_rows(self, jobs: Sequence[Cv2Job], results: dict[int, StepResult], rows: list[int]) -> None:
         states = [self._state(job) for job in jobs]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Generator, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -36,7 +36,7 @@ from torch import Tensor
 from voicertc.backends.cosyvoice.flow.flow import CausalFlow, FlowStreamState
 from voicertc.backends.cosyvoice.hift.batch import HostCopyAsync
 from voicertc.backends.cosyvoice.hift.causal import CausalHiFTGenerator, HiftStreamState
-from voicertc.backends.cosyvoice.hift.causal_batch import phase_key, step_batch
+from voicertc.backends.cosyvoice.hift.causal_batch import phase_key, step_batch, step_batch_parts
 from voicertc.backends.cosyvoice.serve.token2wav import Chunk, ChunkPlan, Token2WavStream, host_copy
 from voicertc.engine.schedule import ChunkSchedule
 
@@ -130,8 +130,46 @@ def vocode_batch_v3(
     started = time.perf_counter()
     states = [s.hift_state for s in streams]
     pcm = step_batch(streams[0].hift, mels, states, final=plans[0].final)  # type: ignore[arg-type]
-    waits = [to_host(p) for p in pcm]
-    vocoder_s = (time.perf_counter() - started) / len(streams)
+    return _advance_all(streams, plans, mels, flow_s, pcm, to_host, time.perf_counter() - started)
+
+
+def vocode_batch_v3_parts(
+    streams: Sequence[Token2WavStreamV3],
+    plans: Sequence[ChunkPlan],
+    mels: Sequence[Tensor],
+    flow_s: Sequence[float],
+    to_host: HostCopyAsync = _sync_copy,
+) -> Generator[None, None, list[Chunk]]:
+    """`vocode_batch_v3` (one stream or more, one phase) in parts (`step_batch_parts`): the streams change
+    only in the last part, which returns the chunks. Run each `next()` under inference mode."""
+    if len({s.hift_phase(p, m) for s, p, m in zip(streams, plans, mels, strict=True)}) != 1:
+        raise ValueError("vocode_batch_v3 needs streams in one HiFT phase (group them by hift_phase())")
+    states = [s.hift_state for s in streams]
+    parts = step_batch_parts(streams[0].hift, mels, states, final=plans[0].final)  # type: ignore[arg-type]
+    spent_s = 0.0
+    while True:
+        started = time.perf_counter()
+        try:
+            next(parts)
+        except StopIteration as end:
+            spent_s += time.perf_counter() - started
+            return _advance_all(streams, plans, mels, flow_s, end.value, to_host, spent_s)
+        spent_s += time.perf_counter() - started
+        yield
+
+
+def _advance_all(
+    streams: Sequence[Token2WavStreamV3],
+    plans: Sequence[ChunkPlan],
+    mels: Sequence[Tensor],
+    flow_s: Sequence[float],
+    pcm: list[Tensor],
+    to_host: HostCopyAsync,
+    spent_s: float,
+) -> list[Chunk]:
+    started = time.perf_counter()
+    waits = [to_host(p) for p in pcm]  # every copy queued before the first wait
+    vocoder_s = (spent_s + time.perf_counter() - started) / len(streams)
     return [
         stream.advance(plan, mel, wait(), seconds, vocoder_s)
         for stream, plan, mel, wait, seconds in zip(streams, plans, mels, waits, flow_s, strict=True)

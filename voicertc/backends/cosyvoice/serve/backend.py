@@ -794,7 +794,7 @@ class CosyVoice2Backend:
             pieces = [st.flowed.next_piece(t2w.emitted_tokens) for st, t2w in zip(states, t2ws, strict=True)]  # type: ignore[union-attr]
         except Exception as exc:  # noqa: BLE001 - isolated per utterance
             return self._vocode_alone(batch) if len(batch) > 1 else [exc]
-        saved = [_hift_snapshot(t) for t in t2ws]  # type: ignore[arg-type]
+        saved = [hift_snapshot(t) for t in t2ws]  # type: ignore[arg-type]
         args = (
             t2ws,
             [plan for plan, _, _ in pieces],
@@ -821,7 +821,7 @@ class CosyVoice2Backend:
                 return [exc]
             logger.warning("batched vocoder step failed; retrying its %d utterances one by one", len(batch))
             for t2w, snapshot in zip(t2ws, saved, strict=True):
-                _hift_restore(t2w, snapshot)  # type: ignore[arg-type]
+                hift_restore(t2w, snapshot)  # type: ignore[arg-type]
             return self._vocode_alone(batch)
         results: list[StepResult] = []
         for job, st, chunk, (_, _, rest) in zip(batch, states, chunks, pieces, strict=True):
@@ -873,10 +873,10 @@ class CosyVoice2Backend:
     def _restart_vocode(
         self, pending: PendingVocode, group: Sequence[Cv2Job], exc: Exception
     ) -> list[StepResult]:
-        for st, t2w, _ in pending.members:
+        for (st, t2w, _), snapshot in zip(pending.members, pending.saved, strict=True):
             if st.vocode_solve is pending:
                 st.vocode_solve = None
-                _hift_restore(t2w, pending.saved[[m[0] for m in pending.members].index(st)])
+                hift_restore(t2w, snapshot)
         if len(pending.members) == 1:
             return [exc for _ in group]  # the lone member fails
         logger.warning("batched vocoder step failed; its utterances vocode their chunks again alone")
@@ -899,7 +899,7 @@ def _flow_state(job: Cv2Job, t2w: Token2WavStream) -> FlowStreamState:
     return t2w.flow_state
 
 
-def _hift_snapshot(t2w: Token2WavStream) -> HiftSnapshot:
+def hift_snapshot(t2w: Token2WavStream) -> HiftSnapshot:
     """What a vocoder step may change: the HiFT stream state and the excitation's random generator (a
     step retried after a failure draws the same excitation, so it makes the same audio)."""
     state = t2w.hift_state
@@ -907,7 +907,7 @@ def _hift_snapshot(t2w: Token2WavStream) -> HiftSnapshot:
     return HiftSnapshot(None if state is None else replace(state), rng)
 
 
-def _hift_restore(t2w: Token2WavStream, snapshot: HiftSnapshot) -> None:
+def hift_restore(t2w: Token2WavStream, snapshot: HiftSnapshot) -> None:
     if snapshot.state is not None and t2w.hift_state is not None:
         t2w.hift_state.__dict__.update(snapshot.state.__dict__)
         t2w.finished = False

@@ -26,7 +26,7 @@ from voicertc.backends.cosyvoice.serve.backend import (
     SAMPLE_RATE_HZ,
     CosyVoice2Backend,
     Cv2Job,
-    _hift_snapshot,
+    hift_snapshot,
     backend_options,
 )
 from voicertc.backends.cosyvoice.serve.device_lane import resolve_device
@@ -144,7 +144,7 @@ class CosyVoice3Backend(CosyVoice2Backend):
             work = jobs[0].work
             assert isinstance(work, Vocode)
             members = [(st, t2w, None) for st, t2w in zip(states, t2ws, strict=True)]
-            saved = [_hift_snapshot(t2w) for t2w in t2ws]  # type: ignore[arg-type]
+            saved = [hift_snapshot(t2w) for t2w in t2ws]  # type: ignore[arg-type]
             pending = PendingVocode(next(self._solves), parts, members, saved, work.frames, work.final)  # type: ignore[arg-type]
             chunks = self._advance_vocode(pending, clock)
         except Exception as exc:  # noqa: BLE001 - each row again alone (or the lone one fails)

@@ -26,8 +26,8 @@ from voicertc.backends.cosyvoice.serve.backend import (
     SAMPLE_RATE_HZ,
     CosyVoice2Backend,
     Cv2Job,
-    hift_snapshot,
     backend_options,
+    hift_snapshot,
 )
 from voicertc.backends.cosyvoice.serve.device_lane import resolve_device
 from voicertc.backends.cosyvoice.serve.modes import LlmPrompt, llm_prompt

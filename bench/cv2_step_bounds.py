@@ -1,6 +1,7 @@
 """How long one CosyVoice2 engine unit holds the engine thread, with and without `[engine] max_step_ms`.
 
     .venv/bin/python -m bench.cv2_step_bounds [--max-step-ms 0 200] [--runs 2] [--max-tokens 100]
+    .venv/bin/python -m bench.cv2_step_bounds --version 3   # CosyVoice3 (.models/cv3_full)
 
 The real engine (`EngineWorker` + `CosyVoice2Backend`) on the full-size random-weight directory (CPU by
 default: where a flow chunk's ten Euler steps take seconds). One utterance speaks `--max-tokens` tokens;
@@ -8,7 +9,7 @@ per budget it reports its units' wall and engine-thread CPU time by stage (p50 /
 passed the budget), its TTFA and engine time (splitting costs nothing when the steps are the same).
 Then a second utterance is cancelled `--cancel-after-s` into its first flow unit: the time from `cancel`
 to its `Cancelled` event is how long one unit holds a cancel (or another call's urgent unit) back.
-Prints tables; writes bench/results/cv2_step_bounds_cpu.json.
+Prints tables; writes bench/results/cv2_step_bounds_cpu.json (cv3_step_bounds_cpu.json for `--version 3`).
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ from collections import defaultdict
 import torch
 
 from bench.cv2_load import TEXT, Playout, pick_voice, play
-from bench.make_full_model_dir import DEFAULT_OUT, make_full_model_dir
+from bench.make_full_model_dir import DEFAULT_OUT, DEFAULT_OUT_V3, make_full_model_dir
 from bench.report import summary, table, write_json
 from voicertc.audio import PcmRing, RingSink
 from voicertc.backends.cosyvoice.load import load_v2 as load
+from voicertc.backends.cosyvoice.load import load_v3
 from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model
+from voicertc.backends.cosyvoice.load.v3 import CosyVoice3Model
 from voicertc.backends.cosyvoice.serve.backend import BackendOptions, CosyVoice2Backend
+from voicertc.backends.cosyvoice.serve.backend_v3 import CosyVoice3Backend
 from voicertc.engine import Cancelled, Done, EngineEvent, Failed, FirstAudio
 from voicertc.engine.work import FlowChunk, stage_name
 from voicertc.engine.worker import EngineWorker
@@ -57,7 +61,8 @@ def one_run(
     model: CosyVoice2Model, max_step_ms: float, max_tokens: int, cancel_after_s: float, timeout_s: float
 ) -> dict[str, object]:
     options = BackendOptions(seed=5, max_segment_tokens=max_tokens, max_step_ms=max_step_ms)
-    backend = CosyVoice2Backend(model, options=options)
+    backend_class = CosyVoice3Backend if isinstance(model, CosyVoice3Model) else CosyVoice2Backend
+    backend = backend_class(model, options=options)
     voice = pick_voice(backend, model)
     backend.warm_up()
     times = UnitTimes(backend)
@@ -135,7 +140,8 @@ def _rows(results: list[dict]) -> list[dict[str, object]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model-dir", default=str(DEFAULT_OUT))
+    parser.add_argument("--version", type=int, choices=[2, 3], default=2, help="CosyVoice2 or 3")
+    parser.add_argument("--model-dir", help=f"default {DEFAULT_OUT} ({DEFAULT_OUT_V3} for --version 3)")
     parser.add_argument("--max-step-ms", type=float, nargs="+", default=[0.0, 200.0])
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=100)
@@ -144,9 +150,11 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=600.0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if args.model_dir == str(DEFAULT_OUT):
-        make_full_model_dir(DEFAULT_OUT)
-    model = load(args.model_dir, "cpu", torch.float32)
+    if args.model_dir is None:
+        default = DEFAULT_OUT_V3 if args.version == 3 else DEFAULT_OUT
+        args.model_dir = str(make_full_model_dir(default, version=args.version))
+    loader = load_v3 if args.version == 3 else load
+    model = loader(args.model_dir, "cpu", torch.float32)
     results = [
         one_run(model, ms, args.max_tokens, args.cancel_after_s, args.timeout_s)
         for _ in range(args.runs)
@@ -164,7 +172,8 @@ def main() -> None:
         for r in results
     ]
     print(table(others, list(others[0])))  # noqa: T201
-    print("wrote", write_json("cv2_step_bounds_cpu", {"args": vars(args), "results": results}))  # noqa: T201
+    name = f"cv{args.version}_step_bounds_cpu"
+    print("wrote", write_json(name, {"args": vars(args), "results": results}))  # noqa: T201
 
 
 if __name__ == "__main__":

@@ -514,6 +514,7 @@ class CosyVoice2Backend:
         clock = self.budget.start()
         for _ in range(self.options.decode_burst):
             local: list[int] = []
+            prompts: list[int] = []
             still: list[int] = []
             for i in active:
                 st = self._state(batch[i])
@@ -526,17 +527,20 @@ class CosyVoice2Backend:
                     if took and self._took_token(batch[i].utt, st, token, 0.0, time.perf_counter()):
                         still.append(i)
                 elif self._prefills_in_parts(st):
-                    try:
-                        fed, token = self._prefill_part(batch[i].utt, st, clock)
-                    except Exception as exc:  # noqa: BLE001 - this utterance's prompt only
-                        errors[i] = exc
-                        continue
-                    if fed:  # its first token: it decodes on from the next unit (the prompt used this one)
-                        self._took_token(batch[i].utt, st, token, 0.0, time.perf_counter())
+                    prompts.append(i)
                 else:
                     local.append(i)
             if local:
                 still += self._decode_local(batch, local, errors)
+            for i in prompts:  # after the decode rows: a prompt's parts take what is left of the budget
+                st = self._state(batch[i])
+                try:
+                    fed, token = self._prefill_part(batch[i].utt, st, clock)
+                except Exception as exc:  # noqa: BLE001 - this utterance's prompt only
+                    errors[i] = exc
+                    continue
+                if fed:  # its first token: it decodes on from the next unit (the prompt used this one)
+                    self._took_token(batch[i].utt, st, token, 0.0, time.perf_counter())
             active = sorted(still)
             if not active or not clock.another():
                 break

@@ -60,7 +60,7 @@ def test_a_stream_in_parts_equals_it_whole_and_its_state_moves_only_at_the_end(c
             next(parts)
         assert split_states[0].emitted == emitted  # nothing written back before the last part
         split, count = run_parts(parts)
-        assert count + 2 == 1 + len(hift.ups) + 1  # excitation + conv_pre, each stage, the tail
+        assert count + 2 == 2 + len(hift.ups) + 1  # excitation, STFT + conv_pre, each stage, the tail
         for row in split:
             torch.testing.assert_close(row, whole, atol=1e-5, rtol=0.0)  # a batch of two rounds differently
     assert split_states[0].finished and whole_state.finished
@@ -118,6 +118,6 @@ def test_the_engine_vocodes_v3_chunks_a_part_per_unit_with_the_same_audio(tmp_pa
     split, units = speak(backend)
     vocodes = [work for work, _ in units if isinstance(work, Vocode)]
     started, continued = [w for w in vocodes if not w.solve], [w for w in vocodes if w.solve]
-    assert started and len(continued) == len(started) * (len(model.hift.ups) + 1)
+    assert started and len(continued) == len(started) * (len(model.hift.ups) + 2)
     assert whole.size > 0 and np.array_equal(split, whole)
     assert backend._active == {}

@@ -319,17 +319,18 @@ class CausalHiFTGenerator(nn.Module):
         final: bool,
         source: Tensor | None = None,
     ) -> Generator[None, None, tuple[Tensor, Tensor]]:
-        """`step_rows` one part per `next()` (the excitation and `conv_pre`, each upsampling stage, then
-        `conv_post`, the iSTFT and the hold-back): the same operations in the same order; its result is
-        the generator's return. `state` changes as the parts run (`hift.causal_batch` gives it a merged
-        copy and writes the rows back at the end). Run each `next()` under `torch.inference_mode()`."""
+        """`step_rows` one part per `next()` (the excitation; the STFT and `conv_pre`; each upsampling
+        stage; then `conv_post`, the iSTFT and the hold-back): the same operations in the same order; its
+        result is the generator's return. `state` changes as the parts run (`hift.causal_batch` gives it
+        a merged copy and writes the rows back at the end). Run each `next()` under inference mode."""
         if state.finished:
             raise ValueError("this HiFT stream is already finalized")
         state.final = final
         state.mel_frames += mel.shape[2]
         state.work_frames = mel.shape[2]
         mel = mel.float()
-        excitation = self._excitation(mel, state, source, sources)
+        excitation = self._excitation(mel, state, source, sources)  # the f0 predictor runs in float64
+        yield
         stft = self._stft(excitation, state)
         x = self.conv_pre(mel, state)
         yield

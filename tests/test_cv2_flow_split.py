@@ -9,8 +9,6 @@ tiny model.
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
@@ -23,6 +21,7 @@ from cv2_engine_helpers import (
     make_backend,
 )
 from engine_helpers import EventLog, RecordingSink
+from parts_helpers import one_second_clock
 from safetensors.torch import load_file
 
 from voicertc.engine import Cancelled, Done
@@ -46,12 +45,6 @@ def model(tiny_model_dir, golden_dir, tmp_path_factory):
     return load_speaking_model(
         build_speaking_model_dir(tiny_model_dir, golden_dir, tmp_path_factory.mktemp("split"))
     )
-
-
-def one_second_steps():
-    """A clock that moves one second at every read: each unit predicts its next step at one second."""
-    ticks = itertools.count()
-    return lambda: float(next(ticks))
 
 
 def count_parts(decoder, monkeypatch) -> list[int]:
@@ -184,7 +177,7 @@ def test_split_units_speak_what_whole_chunks_speak_and_each_makes_one_step(
 ):
     jobs = [(uid, VOICES[kind]) for uid, kind in JOBS]
     split = make_backend(
-        model, golden_dir, max_segment_tokens=TOKENS, max_step_ms=1500, step_clock=one_second_steps()
+        model, golden_dir, max_segment_tokens=TOKENS, max_step_ms=1500, step_clock=one_second_clock()
     )
     log_units = unit_log(split)
     log, sinks_split = speak(split, jobs)
@@ -205,7 +198,7 @@ def test_split_units_speak_what_whole_chunks_speak_and_each_makes_one_step(
 def test_a_member_cancelled_mid_chunk_leaves_the_others_speaking(model, golden_dir, unit_log, whole_audio):
     jobs = [("a", GOLDEN_VOICE), ("b", GOLDEN_VOICE)]  # b is cancelled
     split = make_backend(
-        model, golden_dir, max_segment_tokens=TOKENS, max_step_ms=1500, step_clock=one_second_steps()
+        model, golden_dir, max_segment_tokens=TOKENS, max_step_ms=1500, step_clock=one_second_clock()
     )
     log_units = unit_log(split)
     engines = []
@@ -233,7 +226,7 @@ def test_a_failed_step_inside_a_shared_chunk_starts_it_again_for_every_member(
 ):
     jobs = [("a", GOLDEN_VOICE), ("b", GOLDEN_VOICE)]
     split = make_backend(
-        model, golden_dir, max_segment_tokens=TOKENS, max_step_ms=1500, step_clock=one_second_steps()
+        model, golden_dir, max_segment_tokens=TOKENS, max_step_ms=1500, step_clock=one_second_clock()
     )
     original, failed = model.flow.advance_stream, []
 
@@ -266,7 +259,7 @@ def test_cosyvoice3_splits_its_dit_chunks_the_same_way(tmp_path_factory):
         forwards = count_parts(model.flow.decoder, patch)
         for name, extra in (
             ("whole", {}),
-            ("split", {"max_step_ms": 1500, "step_clock": one_second_steps()}),
+            ("split", {"max_step_ms": 1500, "step_clock": one_second_clock()}),
         ):
             backend = CosyVoice3Backend(
                 model, options=BackendOptions(seed=7, max_segment_tokens=TOKENS, **extra)

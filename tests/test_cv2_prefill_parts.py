@@ -8,13 +8,12 @@ no decode graphs are captured, and draws the first token as `decode_batch` would
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
 from cv2_engine_helpers import GOLDEN_VOICE, build_speaking_model_dir, load_speaking_model, make_backend
 from engine_helpers import EventLog, RecordingSink
+from parts_helpers import one_second_clock
 
 from voicertc.backends.cosyvoice.llm.kv import SlotKV
 from voicertc.engine import Cancelled, Done
@@ -88,8 +87,7 @@ def speak(backend):
 def test_a_prompt_fed_a_layer_per_unit_speaks_what_one_forward_speaks(model, golden_dir):
     layers = model.llm.llm.model.model.config.num_hidden_layers
     whole, whole_units = speak(make_backend(model, golden_dir))
-    ticks = itertools.count()
-    budgeted = make_backend(model, golden_dir, max_step_ms=1500, step_clock=lambda: float(next(ticks)))
+    budgeted = make_backend(model, golden_dir, max_step_ms=1500, step_clock=one_second_clock())
     split, units = speak(budgeted)
     decodes = [n for work, n in units if isinstance(work, Decode)]
     # a segment's prompt: a unit per layer, then one for the final norm and the first token (no batched
@@ -101,8 +99,7 @@ def test_a_prompt_fed_a_layer_per_unit_speaks_what_one_forward_speaks(model, gol
 
 
 def test_a_cancel_inside_a_prompt_frees_its_slot(model, golden_dir):
-    ticks = itertools.count()
-    backend = make_backend(model, golden_dir, max_step_ms=1500, step_clock=lambda: float(next(ticks)))
+    backend = make_backend(model, golden_dir, max_step_ms=1500, step_clock=one_second_clock())
     engine = EngineWorker(backend, default_voice=GOLDEN_VOICE, name="cv2-prefill-cancel")
     run, log = backend.run, EventLog()
     seen: list[int] = []

@@ -18,6 +18,7 @@ from cv2_engine_helpers import (
     make_backend,
 )
 from engine_helpers import EventLog, RecordingSink
+from parts_helpers import one_second_clock
 from safetensors.torch import load_file
 
 from voicertc.engine import Cancelled, Done
@@ -176,7 +177,6 @@ def test_under_a_step_budget_a_window_goes_one_estimator_stage_per_unit_and_spea
     model, golden_dir, monkeypatch
 ):
     """`max_step_ms` with a clock that makes every part look like a second: one part per unit."""
-    ticks = iter(range(10**9))
     text = "Said slowly, in bounded parts. " * 2
     audio = {}
     parts: list[int] = []
@@ -189,7 +189,7 @@ def test_under_a_step_budget_a_window_goes_one_estimator_stage_per_unit_and_spea
     monkeypatch.setattr(model.flow.decoder, "advance_part", counted)
     for name, extra in (
         ("whole", {}),
-        ("parts", {"max_step_ms": 1500, "step_clock": lambda: float(next(ticks))}),
+        ("parts", {"max_step_ms": 1500, "step_clock": one_second_clock()}),
     ):
         backend = make_backend(model, golden_dir, max_segment_tokens=200, speed_window_tokens=60, **extra)
         units: list[int] = []

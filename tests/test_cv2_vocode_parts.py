@@ -8,13 +8,12 @@ as a `PendingVocode` continued by its members, as a split flow chunk.
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
 from cv2_engine_helpers import GOLDEN_VOICE, build_speaking_model_dir, load_speaking_model, make_backend
 from engine_helpers import EventLog, RecordingSink
+from parts_helpers import one_second_clock, run_parts
 
 from voicertc.backends.cosyvoice.hift.batch import hift_stream_step_batch, hift_stream_step_parts
 from voicertc.backends.cosyvoice.hift.stream import hift_stream_step, init_hift_stream_state
@@ -32,18 +31,6 @@ def model(tiny_model_dir, golden_dir, tmp_path_factory):
     return load_speaking_model(
         build_speaking_model_dir(tiny_model_dir, golden_dir, tmp_path_factory.mktemp("vocode"))
     )
-
-
-def run_parts(parts):
-    """Exhaust a parts generator under inference mode (as the engine does); (result, parts run)."""
-    count = 0
-    with torch.inference_mode():
-        while True:
-            count += 1
-            try:
-                next(parts)
-            except StopIteration as end:
-                return end.value, count
 
 
 def mel_chunks(seed: int, sizes: tuple[int, ...]) -> list[torch.Tensor]:
@@ -108,9 +95,8 @@ def speak(backend, uids, on_unit=None):
 
 
 def budgeted(model, golden_dir):
-    ticks = itertools.count()  # every read a second later: each unit runs one part
     return make_backend(
-        model, golden_dir, max_segment_tokens=TOKENS, max_step_ms=1500, step_clock=lambda: float(next(ticks))
+        model, golden_dir, max_segment_tokens=TOKENS, max_step_ms=1500, step_clock=one_second_clock()
     )
 
 

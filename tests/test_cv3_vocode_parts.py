@@ -8,7 +8,6 @@ a started step as a `PendingVocode`, as CosyVoice2's.
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ import pytest
 import torch
 from cv2_engine_helpers import SFT_VOICE
 from engine_helpers import EventLog, RecordingSink
+from parts_helpers import one_second_clock, run_parts
 from safetensors.torch import load_file
 
 from voicertc.backends.cosyvoice.hift.causal import HiftStreamState
@@ -31,17 +31,6 @@ CHUNKS = [58, 100, 40]  # new mel frames per chunk; the last is final
 @pytest.fixture(scope="module", autouse=True)
 def _threads():
     torch.set_num_threads(2)
-
-
-def run_parts(parts):
-    count = 0
-    with torch.inference_mode():
-        while True:
-            count += 1
-            try:
-                next(parts)
-            except StopIteration as end:
-                return end.value, count
 
 
 def test_a_stream_in_parts_equals_it_whole_and_its_state_moves_only_at_the_end(cv3_model):
@@ -110,10 +99,7 @@ def test_the_engine_vocodes_v3_chunks_a_part_per_unit_with_the_same_audio(tmp_pa
 
     model = load_v3(make_tiny_cv3_model_dir(tmp_path_factory.mktemp("cv3_vocode")))
     whole, _ = speak(CosyVoice3Backend(model, options=BackendOptions(seed=7, max_segment_tokens=60)))
-    ticks = itertools.count()
-    options = BackendOptions(
-        seed=7, max_segment_tokens=60, max_step_ms=1500, step_clock=lambda: float(next(ticks))
-    )
+    options = BackendOptions(seed=7, max_segment_tokens=60, max_step_ms=1500, step_clock=one_second_clock())
     backend = CosyVoice3Backend(model, options=options)
     split, units = speak(backend)
     vocodes = [work for work, _ in units if isinstance(work, Vocode)]

@@ -77,7 +77,12 @@ def test_events_are_those_of_scoring_every_window(clip, noise_dbfs):
     got, skipped = listener_events(pcm16, config)
     quiet = sum(_dbfs(w) < config.min_level_dbfs for w in windows(pcm16))
     assert skipped >= quiet // 2, f"only {skipped} of {quiet} quiet windows were skipped"
-    assert [type(e) for e in got] == [type(e) for e in expected] == [SpeechStarted, SpeechStopped] * 3
+    # Piper renders the clip a little differently in each process (its noise is not seeded), so a phrase
+    # may come out as two segments: the oracle says how many; the listener must find the same ones
+    assert [type(e) for e in got] == [type(e) for e in expected]
+    assert len(expected) >= 6 and [type(e) for e in expected] == [SpeechStarted, SpeechStopped] * (
+        len(expected) // 2
+    )
     for g, e in zip(got, expected, strict=True):
         for field in ("at_ms", "confirmed_ms") + (("end_ms",) if isinstance(e, SpeechStopped) else ()):
             # Silero's recurrent state remembers a quiet stretch longer than the replay: one window at most

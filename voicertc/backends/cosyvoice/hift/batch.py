@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Generator, Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -34,6 +35,7 @@ from voicertc.backends.cosyvoice.serve.token2wav import Chunk, ChunkPlan, Token2
 logger = logging.getLogger(__name__)
 
 HostCopyAsync = Callable[[Tensor], Callable[[], np.ndarray]]  # queue a copy; the callable waits for it
+R = TypeVar("R")
 
 
 def vocoder_frames(state: HiftStreamState, new_frames: int) -> int:
@@ -54,11 +56,7 @@ def hift_stream_step_batch(
     if len(states) == 1:
         return [hift_stream_step(hift, mel_chunks[0], states[0], finalize[0], generator=generators[0])]
     mels, mel, source = _excitation(hift, mel_chunks, states, generators)
-    speech = hift.decode(mel, source)
-    return [
-        finish_chunk(speech[row : row + 1], source[row : row + 1], mels[row], state, final)
-        for row, (state, final) in enumerate(zip(states, finalize, strict=True))
-    ]
+    return _finish_rows(hift.decode(mel, source), source, mels, states, finalize)
 
 
 def hift_stream_step_parts(
@@ -74,6 +72,16 @@ def hift_stream_step_parts(
     mels, mel, source = _excitation(hift, mel_chunks, states, generators)
     yield
     speech = yield from hift.decode_parts(mel, source)
+    return _finish_rows(speech, source, mels, states, finalize)
+
+
+def _finish_rows(
+    speech: Tensor,
+    source: Tensor,
+    mels: list[Tensor],
+    states: Sequence[HiftStreamState],
+    finalize: Sequence[bool],
+) -> list[Tensor]:
     return [
         finish_chunk(speech[row : row + 1], source[row : row + 1], mels[row], state, final)
         for row, (state, final) in enumerate(zip(states, finalize, strict=True))
@@ -150,16 +158,30 @@ def vocode_batch_parts(
         [p.final for p in plans],
         [s.generator for s in streams],
     )
+    pcm, spent_s = yield from timed_parts(parts)
+    return _complete(streams, plans, mels, flow_s, pcm, to_host, spent_s)
+
+
+def timed_parts(parts: Generator[None, None, R]) -> Generator[None, None, tuple[R, float]]:
+    """`parts` passed through, its result returned with the seconds spent inside it (not between parts)."""
     spent_s = 0.0
     while True:
         started = time.perf_counter()
         try:
             next(parts)
         except StopIteration as end:
-            spent_s += time.perf_counter() - started
-            return _complete(streams, plans, mels, flow_s, end.value, to_host, spent_s)
+            return end.value, spent_s + time.perf_counter() - started
         spent_s += time.perf_counter() - started
         yield
+
+
+def queue_host_copies(
+    pcm: Sequence[Tensor], to_host: HostCopyAsync, spent_s: float
+) -> tuple[list[Callable[[], np.ndarray]], float]:
+    """Every row's device->host copy queued before the first wait; each row's share of the vocoder time."""
+    started = time.perf_counter()
+    waits = [to_host(p) for p in pcm]
+    return waits, (spent_s + time.perf_counter() - started) / len(pcm)
 
 
 def _states(streams: Sequence[Token2WavStream]) -> list[HiftStreamState]:
@@ -182,9 +204,7 @@ def _complete(
     to_host: HostCopyAsync,
     spent_s: float,
 ) -> list[Chunk]:
-    started = time.perf_counter()
-    waits = [to_host(p) for p in pcm]  # every copy queued before the first wait
-    vocoder_s = (spent_s + time.perf_counter() - started) / len(streams)
+    waits, vocoder_s = queue_host_copies(pcm, to_host, spent_s)
     chunks = []
     for stream, plan, mel, wait, seconds in zip(streams, plans, mels, waits, flow_s, strict=True):
         chunk = Chunk(stream.chunk_index, mel, wait(), plan.final, flow_s=seconds, vocoder_s=vocoder_s)

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from voicertc.backends.cosyvoice.flow.flow import CausalFlow, FlowStreamState
-from voicertc.backends.cosyvoice.hift.batch import HostCopyAsync
+from voicertc.backends.cosyvoice.hift.batch import HostCopyAsync, queue_host_copies, timed_parts
 from voicertc.backends.cosyvoice.hift.causal import CausalHiFTGenerator, HiftStreamState
 from voicertc.backends.cosyvoice.hift.causal_batch import phase_key, step_batch, step_batch_parts
 from voicertc.backends.cosyvoice.serve.token2wav import Chunk, ChunkPlan, Token2WavStream, host_copy
@@ -146,16 +146,8 @@ def vocode_batch_v3_parts(
         raise ValueError("vocode_batch_v3 needs streams in one HiFT phase (group them by hift_phase())")
     states = [s.hift_state for s in streams]
     parts = step_batch_parts(streams[0].hift, mels, states, final=plans[0].final)  # type: ignore[arg-type]
-    spent_s = 0.0
-    while True:
-        started = time.perf_counter()
-        try:
-            next(parts)
-        except StopIteration as end:
-            spent_s += time.perf_counter() - started
-            return _advance_all(streams, plans, mels, flow_s, end.value, to_host, spent_s)
-        spent_s += time.perf_counter() - started
-        yield
+    pcm, spent_s = yield from timed_parts(parts)
+    return _advance_all(streams, plans, mels, flow_s, pcm, to_host, spent_s)
 
 
 def _advance_all(
@@ -167,9 +159,7 @@ def _advance_all(
     to_host: HostCopyAsync,
     spent_s: float,
 ) -> list[Chunk]:
-    started = time.perf_counter()
-    waits = [to_host(p) for p in pcm]  # every copy queued before the first wait
-    vocoder_s = (spent_s + time.perf_counter() - started) / len(streams)
+    waits, vocoder_s = queue_host_copies(pcm, to_host, spent_s)
     return [
         stream.advance(plan, mel, wait(), seconds, vocoder_s)
         for stream, plan, mel, wait, seconds in zip(streams, plans, mels, waits, flow_s, strict=True)

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from voicertc.backends.cosyvoice.flow.config import NOISE_FRAMES, EstimatorConfig
 from voicertc.backends.cosyvoice.flow.unet import CausalConditionalDecoder, EstimatorCache
+from voicertc.backends.cosyvoice.parts import run_to_end
 
 _NOISE_SEED = 0
 _noise_cpu: Tensor | None = None
@@ -113,8 +114,7 @@ class CausalConditionalCFM(nn.Module):
         while solve.step < last:
             if solve.parts is None:
                 solve.parts = self._euler_step(solve, in_parts=False)
-            for _ in solve.parts:  # to the step's end
-                pass
+            run_to_end(solve.parts)
             solve.parts = None
         return solve.step >= self.n_timesteps
 

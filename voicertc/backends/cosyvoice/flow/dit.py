@@ -26,6 +26,7 @@ from voicertc.backends.cosyvoice.flow.config_v3 import (
     DitConfig,
 )
 from voicertc.backends.cosyvoice.flow.unet import EstimatorCache, EstimatorParts, RowBatch
+from voicertc.backends.cosyvoice.parts import run_to_end
 
 _LN_EPS = 1e-6
 
@@ -257,11 +258,7 @@ class DiT(nn.Module):
         chunk_masks: bool,
     ) -> Tensor:
         # x, mu, cond: [B, 80, T] new frames; t: [B]; spks: [B, 80]; B = len(caches) * rows -> [B, 80, T]
-        batch, rope = self._open(x, caches, chunk_masks)
-        out = self.forward_batch(x, mu, t, spks, cond, batch, rope)
-        for cache in caches:
-            cache.frames += x.shape[2]
-        return out
+        return run_to_end(self.forward_parts(x, mu, t, spks, cond, caches, chunk_masks))
 
     def forward_parts(
         self,

@@ -13,7 +13,6 @@ its own cache and start frame, and all groups run the convs / projections as one
 from __future__ import annotations
 
 import math
-from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -24,10 +23,9 @@ from torch import Tensor, nn
 from voicertc.backends.cosyvoice.flow.config import EstimatorConfig
 from voicertc.backends.cosyvoice.flow.encoder import chunk_attention_mask
 from voicertc.backends.cosyvoice.flow.kv import KVCache, two_segment_sdpa
+from voicertc.backends.cosyvoice.parts import Parts, run_to_end
 
-EstimatorParts = Generator[
-    None, None, Tensor
-]  # one estimator forward, a part per next(); returns the velocity
+EstimatorParts = Parts[Tensor]  # one estimator forward, a part per next(); returns the velocity
 
 GROW_FRAMES = 128  # a packed context's K/V room grows by a quarter at least, in steps of this many frames
 
@@ -362,11 +360,7 @@ class CausalConditionalDecoder(nn.Module):
         chunk_masks: bool,
     ) -> Tensor:
         # x, mu, cond: [B, 80, T] new frames; t: [B]; spks: [B, 80]; B = len(caches) * rows -> [B, 80, T]
-        batch = _Batch(caches, x.shape[0] // len(caches), self.chunk_frames if chunk_masks else None)
-        out = self.forward_batch(x, mu, t, spks, cond, batch)
-        for cache in caches:
-            cache.frames += x.shape[2]
-        return out
+        return run_to_end(self.forward_parts(x, mu, t, spks, cond, caches, chunk_masks))
 
     def forward_parts(
         self,

@@ -29,6 +29,7 @@ from voicertc.backends.cosyvoice.hift.generator import HiftConfig, Snake
 from voicertc.backends.cosyvoice.hift.source import SineParams
 from voicertc.backends.cosyvoice.hift.source_causal import CausalSourceModule, SourceState
 from voicertc.backends.cosyvoice.load.yaml_config import tag_of
+from voicertc.backends.cosyvoice.parts import run_to_end
 from voicertc.errors import ModelDirError
 
 logger = logging.getLogger(__name__)
@@ -302,13 +303,7 @@ class CausalHiFTGenerator(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """`step` on B rows [B, 80, n] that share one (batched) state, each row with its own excitation
         state `sources[b]` (`hift.causal_batch` builds and splits such states)."""
-        parts = self.step_rows_parts(mel, state, sources, final=final, source=source)
-        while True:
-            try:
-                next(parts)
-            except StopIteration as end:
-                result: tuple[Tensor, Tensor] = end.value
-                return result
+        return run_to_end(self.step_rows_parts(mel, state, sources, final=final, source=source))
 
     def step_rows_parts(
         self,

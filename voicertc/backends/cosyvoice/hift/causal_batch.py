@@ -27,6 +27,7 @@ from voicertc.backends.cosyvoice.hift.causal import (
     CausalHiFTGenerator,
     HiftStreamState,
 )
+from voicertc.backends.cosyvoice.parts import run_to_end
 
 T = TypeVar("T", bound=Tensor | None)
 START_FRAMES = HELD_BACK_FRAMES + F0_LOOKAHEAD + 1  # beyond this many frames the absolute count is irrelevant
@@ -123,14 +124,8 @@ def step_batch(
 ) -> list[Tensor]:
     """`hift.step` for rows in one phase (`phase_key`); -> each row's new samples [N]."""
     # mels: B x [1, 80, n] -> B x pcm [N]
-    parts = step_batch_parts(hift, mels, states, final=final)
     with torch.inference_mode():
-        while True:
-            try:
-                next(parts)
-            except StopIteration as end:
-                pcm: list[Tensor] = end.value
-                return pcm
+        return run_to_end(step_batch_parts(hift, mels, states, final=final))
 
 
 def step_batch_parts(

@@ -107,3 +107,21 @@ def test_the_engine_vocodes_v3_chunks_a_part_per_unit_with_the_same_audio(tmp_pa
     assert started and len(continued) == len(started) * (len(model.hift.ups) + 2)
     assert whole.size > 0 and np.array_equal(split, whole)
     assert backend._active == {}
+
+
+def test_an_injected_excitation_is_refused_in_parts(cv3_model, cv3_records):
+    """A parity run's `source_fn` stream is vocoded by `complete()`; the parts path would draw its own
+    excitation, so it refuses (as CosyVoice2's batch does) before touching the stream."""
+    from voicertc.backends.cosyvoice.serve.streams import token2wav_stream
+    from voicertc.backends.cosyvoice.serve.token2wav import ChunkPlan
+    from voicertc.backends.cosyvoice.serve.token2wav_v3 import vocode_batch_v3_parts
+    from voicertc.backends.cosyvoice.voice.voices import voice_from_features
+
+    tts = cv3_records("cv3_tts_stream.safetensors")
+    voice = voice_from_features(cv3_model, tts["in_prompt_token"], tts["in_prompt_feat"], tts["in_embedding"])
+    stream = token2wav_stream(cv3_model, voice, source_fn=lambda k: tts[f"stream_call{k}_hift_source"])
+    plan = ChunkPlan(tts["in_token"][:, :0], 0, 0, final=False)
+    before = stream.hift_state.emitted
+    with pytest.raises(ValueError, match="source_fn"):
+        run_parts(vocode_batch_v3_parts([stream], [plan], [torch.zeros(1, 80, 58)], [0.0]))
+    assert stream.hift_state.emitted == before and stream.chunk_index == 0

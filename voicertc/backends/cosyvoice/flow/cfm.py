@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from voicertc.backends.cosyvoice.flow.config import NOISE_FRAMES, EstimatorConfig
 from voicertc.backends.cosyvoice.flow.unet import CausalConditionalDecoder, EstimatorCache
-from voicertc.backends.cosyvoice.parts import run_to_end
+from voicertc.engine.parts import run_to_end
 
 _NOISE_SEED = 0
 _noise_cpu: Tensor | None = None

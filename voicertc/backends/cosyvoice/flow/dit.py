@@ -26,7 +26,7 @@ from voicertc.backends.cosyvoice.flow.config_v3 import (
     DitConfig,
 )
 from voicertc.backends.cosyvoice.flow.unet import EstimatorCache, EstimatorParts, RowBatch
-from voicertc.backends.cosyvoice.parts import run_to_end
+from voicertc.engine.parts import run_to_end
 
 _LN_EPS = 1e-6
 

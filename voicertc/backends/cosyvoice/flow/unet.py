@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from voicertc.backends.cosyvoice.flow.config import EstimatorConfig
 from voicertc.backends.cosyvoice.flow.encoder import chunk_attention_mask
 from voicertc.backends.cosyvoice.flow.kv import KVCache, two_segment_sdpa
-from voicertc.backends.cosyvoice.parts import Parts, run_to_end
+from voicertc.engine.parts import Parts, run_to_end
 
 EstimatorParts = Parts[Tensor]  # one estimator forward, a part per next(); returns the velocity
 

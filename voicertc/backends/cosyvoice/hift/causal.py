@@ -29,7 +29,7 @@ from voicertc.backends.cosyvoice.hift.generator import HiftConfig, Snake
 from voicertc.backends.cosyvoice.hift.source import SineParams
 from voicertc.backends.cosyvoice.hift.source_causal import CausalSourceModule, SourceState
 from voicertc.backends.cosyvoice.load.yaml_config import tag_of
-from voicertc.backends.cosyvoice.parts import run_to_end
+from voicertc.engine.parts import run_to_end
 from voicertc.errors import ModelDirError
 
 logger = logging.getLogger(__name__)

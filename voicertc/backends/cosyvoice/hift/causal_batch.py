@@ -27,7 +27,7 @@ from voicertc.backends.cosyvoice.hift.causal import (
     CausalHiFTGenerator,
     HiftStreamState,
 )
-from voicertc.backends.cosyvoice.parts import run_to_end
+from voicertc.engine.parts import run_to_end
 
 T = TypeVar("T", bound=Tensor | None)
 START_FRAMES = HELD_BACK_FRAMES + F0_LOOKAHEAD + 1  # beyond this many frames the absolute count is irrelevant

@@ -104,25 +104,28 @@ class CosyVoice3Backend(CosyVoice2Backend):
                 groups.setdefault(key, []).append(i)
             except Exception as exc:  # noqa: BLE001 - isolated per utterance
                 results[i] = exc
-        if self.budget.budget_s > 0:
-            clock = self.budget.start()
-            for rows in groups.values():
-                self._start_parts(batch, rows, results, clock)
-            return [results[i] for i in range(len(batch))]
+        clock = self.budget.start() if self.budget.budget_s > 0 else None
         for rows in groups.values():
-            if len(rows) > 1:
-                try:
-                    self._vocode_rows([batch[i] for i in rows], results, rows)
-                    continue
-                except Exception:  # noqa: BLE001 - retried alone below
-                    logger.warning("batched v3 vocoder step failed; retrying its %d rows alone", len(rows))
-            for i in rows:
-                try:
-                    self._vocode_rows([batch[i]], results, [i])
-                except Exception as exc:  # noqa: BLE001 - isolated per utterance
-                    results[i] = exc
-        self.stats["vocode_batches"] += len(groups)
+            if clock is not None:
+                self._start_parts(batch, rows, results, clock)
+            else:
+                self._vocode_group(batch, rows, results)
         return [results[i] for i in range(len(batch))]
+
+    def _vocode_group(self, batch: Sequence[Cv2Job], rows: list[int], results: dict[int, StepResult]) -> None:
+        """One phase group in one forward; if it fails, each row alone."""
+        self.stats["vocode_batches"] += 1
+        if len(rows) > 1:
+            try:
+                self._vocode_rows([batch[i] for i in rows], results, rows)
+                return
+            except Exception:  # noqa: BLE001 - retried alone below
+                logger.warning("batched v3 vocoder step failed; retrying its %d rows alone", len(rows))
+        for i in rows:
+            try:
+                self._vocode_rows([batch[i]], results, [i])
+            except Exception as exc:  # noqa: BLE001 - isolated per utterance
+                results[i] = exc
 
     def _start_parts(
         self, batch: Sequence[Cv2Job], rows: list[int], results: dict[int, StepResult], clock: UnitClock

@@ -142,6 +142,8 @@ def vocode_batch_v3_parts(
 ) -> Generator[None, None, list[Chunk]]:
     """`vocode_batch_v3` (one stream or more, one phase) in parts (`step_batch_parts`): the streams change
     only in the last part, which returns the chunks. Run each `next()` under inference mode."""
+    if any(s.source_fn is not None for s in streams):
+        raise ValueError("an injected excitation (source_fn) is vocoded whole, by complete()")
     if len({s.hift_phase(p, m) for s, p, m in zip(streams, plans, mels, strict=True)}) != 1:
         raise ValueError("vocode_batch_v3 needs streams in one HiFT phase (group them by hift_phase())")
     states = [s.hift_state for s in streams]

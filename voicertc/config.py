@@ -58,6 +58,7 @@ class WebRTCConfig:
     trim_leading_silence_ms: int = 100
     udp_port_min: int = 0
     udp_port_max: int = 0
+    dtx: bool = True
 
     def validate(self) -> None:
         ice_ok = all(u.startswith(("stun:", "stuns:", "turn:", "turns:")) for u in self.ice_servers)

@@ -78,6 +78,7 @@ class PcmRing:
         self._generation = 0
         self._was_full = False
         self._space_listener: Callable[[], None] | None = None
+        self._data_listener: Callable[[], None] | None = None
         self._lock = threading.Lock()
 
     # --- either thread --------------------------------------------------------------------------
@@ -102,6 +103,11 @@ class PcmRing:
         """`callback()` runs on the reader's thread when the queue drops below the high-water mark."""
         self._space_listener = callback
 
+    def set_data_listener(self, callback: Callable[[], None] | None) -> None:
+        """`callback()` runs on the writer's thread when a write puts samples into an empty queue (a
+        reader asleep in a long silence wakes up for them)."""
+        self._data_listener = callback
+
     # --- writer (engine thread) -----------------------------------------------------------------
 
     def write(self, pcm: np.ndarray, utterance_id: str, generation: int) -> bool:
@@ -118,11 +124,14 @@ class PcmRing:
                     f"PcmRing overflow: {n} samples for {utterance_id!r} do not fit "
                     f"({self._queued} queued, capacity {self.capacity_samples}); write only while has_room()"
                 )
+            was_empty = self._queued == 0
             self._copy_in(pcm)
             self._queued += n
             self._add_run(utterance_id, n, ended=False)
             if self._queued >= self.high_water_samples:
                 self._was_full = True
+        if was_empty and n:
+            self._notify(self._data_listener, "data")
         return True
 
     def end_utterance(self, utterance_id: str, generation: int) -> bool:
@@ -158,7 +167,7 @@ class PcmRing:
             if notify:
                 self._was_full = False
         if notify:
-            self._notify_space()
+            self._notify(self._space_listener, "space")
         return result
 
     def clear(self, head_samples: int = 0) -> PcmRead:
@@ -175,7 +184,7 @@ class PcmRing:
             notify = self._was_full
             self._was_full = False
         if notify:
-            self._notify_space()
+            self._notify(self._space_listener, "space")
         return head
 
     def _take(self, max_samples: int) -> PcmRead:
@@ -205,11 +214,11 @@ class PcmRing:
             break
         return tuple(spans)
 
-    def _notify_space(self) -> None:
-        listener = self._space_listener
+    @staticmethod
+    def _notify(listener: Callable[[], None] | None, kind: str) -> None:
         if listener is None:
             return
         try:
             listener()
         except Exception:
-            logger.exception("PcmRing space listener failed")
+            logger.exception("PcmRing %s listener failed", kind)

@@ -9,7 +9,9 @@ Results hop back to the loop with `call_soon_threadsafe`, where `CallListener` f
 buffers, emits `user.*` events and asks the `BargeInPolicy`. The event loop never runs model code.
 
 Timeline: media milliseconds since the first received frame, from the frames' pts (an RTP gap is
-filled with silence so `at_ms` stays on the caller's clock).
+filled with silence so `at_ms` stays on the caller's clock; a frame that starts before what was
+already heard is trimmed to the new part). A caller in DTX sends nothing during a silence: the
+decoder thread hands its declared silence over as time passes (`fill_silence`, `webrtc.mic_decode`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ FRAME_SAMPLES = 320  # 20 ms at 16 kHz: what readers get
 PCM_BATCH_FRAMES = 10  # with nobody reading, frames hop to the loop's buffer 200 ms at a time
 MAX_QUEUED_FRAMES = 100  # frames waiting for the listen thread (2 s at 20 ms); oldest dropped beyond
 MAX_GAP_S = 1.0  # a pts jump larger than this restarts the timeline instead of filling silence
+DTX_TICK_S = 0.01  # a caller's DTX silence is filled this often while a speech segment is open or read
+DTX_IDLE_TICK_S = 0.1  # and this often otherwise
 HISTORY_SLACK_MS = 300.0
 
 Post = Callable[..., None]
@@ -78,6 +82,7 @@ class ListenThread:
         self._vad = SileroVad()
         self._machine = VadStateMachine(config.threshold, config.min_speech_ms, config.min_silence_ms)
         self._next_pts: int | None = None
+        self._channels = 1  # of the last frame heard (DTX silence is filled in its layout)
         self._pos = 0  # 16 kHz samples on the timeline so far
         self._window = np.zeros(0, dtype=np.int16)
         self._out = np.zeros(0, dtype=np.int16)  # converted samples not yet posted as a whole frame
@@ -110,6 +115,24 @@ class ListenThread:
                 self.process(pcm, frame.sample_rate, len(frame.layout.channels), frame.pts, frame.samples)
         except Exception:
             logger.exception("call %s: listening failed on a frame", self.call_id)
+
+    def fill_silence(self, until_pts: int, sample_rate_hz: int) -> None:
+        """The caller declared its audio silent (DTX) up to `until_pts`: hear zeros up to there
+        (decoder thread; nothing when the timeline is already further or has no pts yet)."""
+        if self._stopped:
+            return
+        with self._work:
+            start = self._next_pts
+            if start is None or until_pts <= start:
+                return
+            samples = min(until_pts - start, int(MAX_GAP_S * sample_rate_hz))
+            pcm = np.zeros(samples * self._channels, dtype=np.int16)
+            self.process(pcm, sample_rate_hz, self._channels, start, samples)
+
+    def silence_tick_s(self) -> float:
+        """How often DTX silence should be filled now: finely while a segment may be ending or a reader
+        takes the PCM live."""
+        return DTX_TICK_S if (not self._machine.idle or self.live_readers) else DTX_IDLE_TICK_S
 
     def put(self, pcm: np.ndarray, rate: int, channels: int, pts: int | None, samples: int) -> None:
         with self._cond:
@@ -148,9 +171,14 @@ class ListenThread:
     # --- the work (also callable directly, for tests and the bench) ---------------------------------
 
     def process(self, pcm: np.ndarray, rate: int, channels: int, pts: int | None, samples: int) -> None:
+        self._channels = channels
         gap = self._gap_samples(pts, samples, rate)
-        if gap:
+        if gap > 0:
             pcm = np.concatenate((np.zeros(gap * channels, dtype=pcm.dtype), pcm.reshape(-1)))
+        elif gap < 0:  # the frame starts before what was heard (after a DTX fill): its new part only
+            pcm = pcm.reshape(-1)[-gap * channels :]
+            if pcm.size == 0:
+                return
         out = self._converter.convert(pcm, rate, channels)
         if out.size == 0:
             return
@@ -170,9 +198,15 @@ class ListenThread:
         self._prune()
 
     def _gap_samples(self, pts: int | None, samples: int, rate: int) -> int:
+        """Samples of silence to hear before this frame (> 0), or of its head already heard (< 0: a
+        frame that arrived after its time was filled as DTX silence)."""
         if pts is None:
             return 0
-        expected, self._next_pts = self._next_pts, pts + samples
+        expected = self._next_pts
+        if expected is not None and -MAX_GAP_S * rate <= pts - expected < 0:
+            self._next_pts = max(expected, pts + samples)
+            return max(pts - expected, -samples)
+        self._next_pts = pts + samples
         if expected is None:
             return 0
         gap = pts - expected

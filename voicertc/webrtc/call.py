@@ -36,6 +36,7 @@ from voicertc.listen.bargein import BargeInDecision
 from voicertc.listen.listener import CallListener
 from voicertc.validate import BadJsonError, SpeakRequest, SpeakRules, parse_json
 from voicertc.webrtc import audio_level, mic_decode, opus_send
+from voicertc.webrtc.dtx import ask_for_dtx
 from voicertc.webrtc.loopback import loopback_only_sdp
 from voicertc.webrtc.sctp_limits import limit_inbound_messages
 from voicertc.webrtc.speech import ClientEvent, SpeechHandle, SpeechQueue, speak_rules
@@ -143,11 +144,14 @@ class Call:
                 "call %s: ignoring offered %s (audio only)", self.call_id, ", ".join(self.ignored_media)
             )
         await self.pc.setLocalDescription(await self.pc.createAnswer())
-        if sends_opus(self.pc.localDescription.sdp):
-            self.track.send_silence_as(opus_send.silence_payload())
+        answer_sdp: str = self.pc.localDescription.sdp
+        if sends_opus(answer_sdp):
+            self.track.send_silence_as(opus_send.silence_payload(), dtx=self.config.webrtc.dtx)
+        if self._mic_offered and self.config.webrtc.dtx:
+            answer_sdp = ask_for_dtx(answer_sdp)  # the caller's silences as DTX (we read it, aiortc doesn't)
         self._watchdog = self.loop.create_task(self._watch(), name=f"call-{self.call_id}-watchdog")
         logger.info("call %s answered", self.call_id)
-        return self.pc.localDescription.sdp
+        return answer_sdp
 
     async def add_remote_candidates(
         self, candidate_lines: list[tuple[str | None, str]], *, end: bool = False
@@ -239,7 +243,7 @@ class Call:
             self.call_id, listen, self._emit, self.current_utterance, self._on_barge_in, transcriber
         )
         self._shorten_mic_jitter_buffer(track)
-        mic_decode.route_decoded(track, self.listener.thread.process_frame)
+        mic_decode.route_decoded(track, self.listener.thread.process_frame, self.listener.thread)
         self.listener.start(track)
         self._listening.set()
         logger.info("call %s: listening to the caller's microphone", self.call_id)

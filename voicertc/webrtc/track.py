@@ -9,12 +9,17 @@ Barge-in flushes here, at the last buffer before the encoder: `interrupt()`.
 
 Silence: once the sender's codec is known to be Opus (`send_silence_as`, set by the call after the
 answer), a silent frame after `SILENT_FRAMES_ENCODED` silent ones is handed over as the encoder's own
-silence packet (`webrtc.opus_send`): no frame built, no encoder thread hop, the same RTP bytes.
+silence packet (`webrtc.opus_send`): no frame built, no encoder thread hop, the same RTP bytes. With
+DTX (`[webrtc] dtx`, `webrtc.dtx`), 200 ms of silence later the track hands over the 1-byte DTX packet
+once per 400 ms and sleeps in between until the ring has samples again (the ring's data listener
+wakes it from the engine thread): a silent call costs the loop no wake-up per frame. The skipped
+frames keep their place on the schedule and in `pts`, so the RTP timestamps jump over the silence.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -27,6 +32,7 @@ from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from av import AudioFrame, Packet
 
 from voicertc.audio import PcmRing, Span, fade_out
+from voicertc.webrtc.dtx import DtxSchedule, FrameAction, dtx_packet
 from voicertc.webrtc.opus_send import SAMPLES_PER_FRAME, silence_packet
 
 logger = logging.getLogger(__name__)
@@ -67,6 +73,7 @@ class TrackStats:
     of over 100 ms between two frames is a gap (the peer's jitter buffer hears it)."""
 
     frames_sent: int = 0
+    dtx_frames: int = 0  # silent frames not sent (DTX): their time passed with no packet
     underrun_frames: int = 0  # silence frames sent, or due frames skipped, while an utterance played
     late_frames: int = 0  # frames sent more than one frame after their due time
     gaps_over_100ms: int = 0  # pauses of more than 100 ms between two consecutive frames
@@ -83,6 +90,13 @@ class _Playback:
 PlayoutCallback = Callable[[PlayoutEvent], None]
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[Any]]
+WaitForData = Callable[[asyncio.Event, float], Awaitable[Any]]
+
+
+async def wait_for_data(event: asyncio.Event, timeout_s: float) -> None:
+    """Until `event` is set or `timeout_s` passed, whichever comes first."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout_s)
 
 
 class SpeechTrack(MediaStreamTrack):
@@ -105,6 +119,7 @@ class SpeechTrack(MediaStreamTrack):
         on_playout: PlayoutCallback | None = None,
         clock: Clock = time.monotonic,
         sleep: Sleep = asyncio.sleep,
+        wait_data: WaitForData = wait_for_data,
     ) -> None:
         super().__init__()
         if ring.sample_rate_hz != SAMPLE_RATE_HZ:
@@ -121,7 +136,9 @@ class SpeechTrack(MediaStreamTrack):
         self._max_lag_s = max_lag_ms / 1000.0
         self._clock = clock
         self._sleep = sleep
+        self._wait_data = wait_data
         self._samples_sent = 0  # the next frame's pts
+        self._frame_index = 0  # frames sent or skipped (DTX): the next frame's place on the schedule
         self._anchor_t: float | None = None
         self._anchor_frame = 0
         self._last_frame_t: float | None = None
@@ -131,12 +148,25 @@ class SpeechTrack(MediaStreamTrack):
         self._silence_payload: bytes | None = None
         self._silent_frames = 0  # silent frames in a row, the current one included
         self.silence_packets = 0  # silent frames handed over as the encoder's silence packet
+        self._dtx: DtxSchedule | None = None
+        self._dtx_payload = b""
+        self._data = asyncio.Event()  # set from the engine thread when the ring gets samples
 
-    def send_silence_as(self, payload: bytes | None) -> None:
+    def send_silence_as(self, payload: bytes | None, dtx: bool = False) -> None:
         """The sender encodes with Opus and settles on `payload` for digital silence (None: encode every
-        frame). Only for 20 ms stereo frames, the encoder's own format."""
+        frame). Only for 20 ms stereo frames, the encoder's own format. `dtx`: and the track sends
+        long silences as DTX (module docstring)."""
         ready = self.stereo and self.frame_samples == SAMPLES_PER_FRAME
         self._silence_payload = payload if ready else None
+        self._dtx = DtxSchedule() if dtx and self._silence_payload else None
+        self._dtx_payload = dtx_packet(self._silence_payload) if self._dtx is not None else b""
+        if self._dtx is not None:
+            loop = asyncio.get_running_loop()
+            self.ring.set_data_listener(lambda: loop.call_soon_threadsafe(self._data.set))
+
+    def stop(self) -> None:
+        super().stop()
+        self._data.set()  # a recv() asleep in DTX sees the end now
 
     @classmethod
     def from_config(cls, ring: PcmRing, config: Any, **kwargs: Any) -> SpeechTrack:
@@ -161,22 +191,50 @@ class SpeechTrack(MediaStreamTrack):
     # --- aiortc side ------------------------------------------------------------------------------
 
     async def recv(self) -> AudioFrame | Packet:
-        if self.readyState != "live":
-            raise MediaStreamError
-        await self._wait_for_deadline()
-        if self.readyState != "live":
-            raise MediaStreamError
-        try:
-            pcm = self._next_pcm()
-        except Exception:  # never let aiortc's sender see anything but MediaStreamError
-            logger.exception("track %s: reading the ring failed; sending silence", self.id)
-            pcm = np.zeros(self.frame_samples, dtype=np.int16)
-        frame = self._silence_or_none(pcm) or self._build_frame(pcm)
-        self._samples_sent += self.frame_samples
-        self.stats.frames_sent += 1
-        return frame
+        while True:
+            if self.readyState != "live":
+                raise MediaStreamError
+            await self._wait_for_deadline()
+            if self.readyState != "live":
+                raise MediaStreamError
+            try:
+                pcm = self._next_pcm()
+            except Exception:  # never let aiortc's sender see anything but MediaStreamError
+                logger.exception("track %s: reading the ring failed; sending silence", self.id)
+                pcm = np.zeros(self.frame_samples, dtype=np.int16)
+            action = FrameAction.SEND if self._dtx is None else self._dtx.action(not pcm.any())
+            pts = self._samples_sent
+            self._samples_sent += self.frame_samples
+            self._frame_index += 1
+            if action is FrameAction.SKIP:
+                self.stats.dtx_frames += 1
+                await self._sleep_in_dtx()
+                continue
+            self.stats.frames_sent += 1
+            if action is FrameAction.DTX:
+                self._silent_frames += 1
+                return silence_packet(self._dtx_payload, pts)
+            return self._silence_or_none(pcm, pts) or self._build_frame(pcm, pts)
 
-    def _silence_or_none(self, pcm: np.ndarray) -> Packet | None:
+    async def _sleep_in_dtx(self) -> None:
+        """Skipped a frame: sleep until the ring has samples or the next DTX packet is due, then skip
+        the frames whose time passed (the schedule resumes at the next frame due)."""
+        assert self._dtx is not None and self._anchor_t is not None
+        frames_left = self._dtx.frames_until_dtx()  # the DTX frame's index: _frame_index + frames_left - 1
+        dtx_at = self._deadline(self._frame_index + frames_left - 1)
+        self._data.clear()
+        if self.ring.queued_samples == 0 and not len(self._fade_tail):
+            await self._wait_data(self._data, max(0.0, dtx_at - self._clock()))
+        now = self._clock()
+        passed = int((now - self._deadline(self._frame_index)) // self._frame_s)  # frames due before now
+        skipped = max(0, min(passed, frames_left - 1))
+        self._dtx.skip(skipped)
+        self.stats.dtx_frames += skipped
+        self._frame_index += skipped
+        self._samples_sent += skipped * self.frame_samples
+        self._last_frame_t = None  # the pause was on purpose: not a gap
+
+    def _silence_or_none(self, pcm: np.ndarray, pts: int) -> Packet | None:
         if pcm.any():
             self._silent_frames = 0
             return None
@@ -184,18 +242,22 @@ class SpeechTrack(MediaStreamTrack):
         if self._silence_payload is None or self._silent_frames <= SILENT_FRAMES_ENCODED:
             return None
         self.silence_packets += 1
-        return silence_packet(self._silence_payload, self._samples_sent)
+        return silence_packet(self._silence_payload, pts)
+
+    def _deadline(self, frame_index: int) -> float:
+        assert self._anchor_t is not None
+        return self._anchor_t + (frame_index - self._anchor_frame) * self._frame_s
 
     async def _wait_for_deadline(self) -> None:
         """Absolute schedule: frame n goes out at anchor + n * frame; re-anchor instead of bursting."""
         now = self._clock()
         if self._anchor_t is None:
-            self._anchor_t, self._anchor_frame = now, self.stats.frames_sent
-        deadline = self._anchor_t + (self.stats.frames_sent - self._anchor_frame) * self._frame_s
+            self._anchor_t, self._anchor_frame = now, self._frame_index
+        deadline = self._deadline(self._frame_index)
         lag_s = now - deadline
         if lag_s > self._max_lag_s:
             logger.info("track %s: %.0f ms behind schedule, re-anchoring", self.id, lag_s * 1000)
-            self._anchor_t, self._anchor_frame = now, self.stats.frames_sent
+            self._anchor_t, self._anchor_frame = now, self._frame_index
             self.stats.reanchors += 1
             self._count_skipped(int(lag_s / self._frame_s))
         elif deadline > now:
@@ -214,14 +276,14 @@ class SpeechTrack(MediaStreamTrack):
             self.stats.underrun_frames += frames
             self._playback[self._playing].underrun_frames += frames
 
-    def _build_frame(self, pcm: np.ndarray) -> AudioFrame:
+    def _build_frame(self, pcm: np.ndarray, pts: int) -> AudioFrame:
         # pcm: [frame_samples] int16 mono -> packed s16 frame [1, frame_samples * channels]
         if self.stereo:
             frame = AudioFrame.from_ndarray(np.repeat(pcm, 2)[None, :], format="s16", layout="stereo")
         else:
             frame = AudioFrame.from_ndarray(pcm[None, :], format="s16", layout="mono")
         frame.sample_rate = SAMPLE_RATE_HZ
-        frame.pts = self._samples_sent
+        frame.pts = pts
         frame.time_base = TIME_BASE
         return frame
 

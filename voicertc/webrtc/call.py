@@ -249,15 +249,17 @@ class Call:
         logger.info("call %s: listening to the caller's microphone", self.call_id)
 
     def _shorten_mic_jitter_buffer(self, track: MediaStreamTrack) -> None:
-        """aiortc holds 4 decoded frames (80 ms) before the first leaves its jitter buffer; the buffer
-        waits for a missing packet however many it holds, so a shorter prefetch only cuts delay (every
-        barge-in and VAD event pays it). aiortc offers no setting: the receiver's buffer is adjusted."""
+        """A missing mic packet is waited for at most `mic_jitter_frames` later ones (every barge-in
+        and VAD event pays the wait). aiortc offers no setting: the receiver's buffer is adjusted
+        (`mic_decode.MicJitterBuffer`; aiortc's own buffer, should it be there, gets that prefetch)."""
         for transceiver in self.pc.getTransceivers():
             receiver = transceiver.receiver
             if receiver.track is not track:
                 continue
             buffer = getattr(receiver, "_RTCRtpReceiver__jitter_buffer", None)
-            if buffer is not None and hasattr(buffer, "_prefetch"):
+            if isinstance(buffer, mic_decode.MicJitterBuffer):
+                buffer.max_wait_frames = self.config.listen.mic_jitter_frames
+            elif buffer is not None and hasattr(buffer, "_prefetch"):
                 buffer._prefetch = self.config.listen.mic_jitter_frames
             else:
                 logger.info("call %s: aiortc jitter buffer not adjustable; kept", self.call_id)

@@ -9,10 +9,11 @@ to the sink on the decoder thread. The end of the stream still goes through the 
 `recv()` raises `MediaStreamError` as before; a track without a sink behaves exactly as in aiortc.
 Measured with per-thread CPU on silent two-way calls (2026-11-26): README "CPU per listening call".
 
-Arrival order: an audio RTP packet is one whole frame (RFC 7587), so `ArrivalOrderBuffer` replaces
-aiortc's audio jitter buffer, which holds 4 frames (80 ms) to put reordered packets back in order:
-each packet is released as it arrives, and one older than the newest released (reordered, duplicated)
-is dropped and counted (its 20 ms would be late; the listener hears a gap, filled with silence).
+Jitter buffer: an audio RTP packet is one whole frame (RFC 7587), yet aiortc's audio jitter buffer
+holds a frame until `prefetch` later ones arrived (80 ms; the call's `mic_jitter_frames` made it one
+frame), and a DTX packet until the next packet, 400 ms later. `MicJitterBuffer` replaces it for
+audio: a frame leaves as soon as every earlier one did; only behind a missing packet do later ones
+wait for it (at most `max_wait_frames`, the call's `mic_jitter_frames`), and not behind DTX.
 
 DTX: a caller asked for `usedtx=1` (`webrtc.dtx`) sends a long silence as one packet of at most 2
 bytes, then nothing for up to 400 ms. The sender declared that time silent, so while the stream is in
@@ -67,28 +68,69 @@ def route_decoded(track: Any, sink: FrameSink, filler: SilenceFiller | None = No
     return True
 
 
-class ArrivalOrderBuffer:
-    """aiortc's `JitterBuffer.add` for audio: every packet a frame, released on arrival (module doc).
+class JitterFrames(jitterbuffer.JitterFrame):
+    """Several consecutive audio frames released at once: this one, then `more` as (RTP timestamp
+    offset from this one, data). The receiver maps only this frame's timestamp; `frames()` applies
+    the offsets to whatever it became."""
+
+    def __init__(self, first: Any, more: list[tuple[int, bytes]]) -> None:
+        super().__init__(data=first._data, timestamp=first.timestamp)
+        self.more = more
+
+    def frames(self) -> list[jitterbuffer.JitterFrame]:
+        return [self] + [jitterbuffer.JitterFrame(data=d, timestamp=self.timestamp + o) for o, d in self.more]
+
+
+class MicJitterBuffer:
+    """aiortc's `JitterBuffer.add` for audio, where one RTP packet is one whole frame (RFC 7587): a
+    packet is released as soon as every earlier one was; behind a missing packet at most
+    `max_wait_frames` later ones wait for it, and none once the latest is DTX (nothing follows it
+    for a while). A packet older than what was released (late, duplicated) is dropped and counted.
     Owned by the receiver's event loop task."""
 
-    def __init__(self) -> None:
-        self.newest: int | None = None  # sequence number of the newest packet released
-        self.dropped = 0  # packets older than `newest` (reordered or duplicated)
+    def __init__(self, max_wait_frames: int = 4) -> None:
+        self.max_wait_frames = max_wait_frames
+        self.next_seq: int | None = None
+        self.dropped = 0  # packets that arrived after their place was passed
+        self.skipped = 0  # missing packets given up on
+        self._held: dict[int, Any] = {}
 
     def add(self, packet: Any) -> tuple[bool, jitterbuffer.JitterFrame | None]:
-        seq = packet.sequence_number
-        if self.newest is not None and not 0 < uint16_add(seq, -self.newest) < 0x8000:
+        seq: int = packet.sequence_number
+        next_seq = seq if self.next_seq is None else self.next_seq
+        if uint16_add(seq, -next_seq) >= 0x8000 or seq in self._held:
             self.dropped += 1
             return False, None
-        self.newest = seq
-        return False, jitterbuffer.JitterFrame(data=packet._data, timestamp=packet.timestamp)
+        self._held[seq] = packet
+        out = self._release(next_seq)
+        if not out and (len(self._held) > self.max_wait_frames or len(packet._data) <= DTX_MAX_BYTES):
+            oldest = min(self._held, key=lambda held: uint16_add(held, -next_seq))
+            self.skipped += uint16_add(oldest, -next_seq)
+            out = self._release(oldest)
+        if not out:
+            return False, None
+        first = out[0]
+        more = [((p.timestamp - first.timestamp) % (1 << 32), p._data) for p in out[1:]]
+        if more:
+            return False, JitterFrames(first, more)
+        return False, jitterbuffer.JitterFrame(first._data, first.timestamp)
+
+    def _release(self, next_seq: int) -> list[Any]:
+        """Every held packet from `next_seq` on without a gap, in order (`next_seq` moves past them)."""
+        out = []
+        while next_seq in self._held:
+            out.append(self._held.pop(next_seq))
+            next_seq = uint16_add(next_seq, 1)
+        self.next_seq = next_seq
+        return out
 
 
 def jitter_buffer(capacity: int, prefetch: int = 0, is_video: bool = False) -> Any:
-    """What aiortc's receiver builds as its jitter buffer: aiortc's for video, arrival order for audio."""
+    """What aiortc's receiver builds as its jitter buffer: aiortc's for video, `MicJitterBuffer` for
+    audio (waiting for a missing packet as long as aiortc's would, `prefetch` frames)."""
     if is_video:
         return AIORTC_JITTER_BUFFER(capacity=capacity, prefetch=prefetch, is_video=True)
-    return ArrivalOrderBuffer()
+    return MicJitterBuffer(max_wait_frames=max(1, prefetch))
 
 
 @dataclass(frozen=True)
@@ -142,24 +184,26 @@ def decoder_worker(
             else:
                 task = input_q.get(timeout=filler.silence_tick_s())
         except queue.Empty:
-            _fill(filler, dtx)
+            if filler is not None and dtx is not None:
+                _fill(filler, dtx)
             continue
         if task is None:
             asyncio.run_coroutine_threadsafe(output_q.put(None), loop)  # the track ends
             return
-        codec, encoded_frame = task
+        codec, encoded = task
         if codec.name != codec_name:
             decoder = get_decoder(codec)
             codec_name = codec.name
-        try:
-            frames = decoder.decode(encoded_frame)
-        except av.FFmpegError as exc:
-            # as aiortc: keep the decoder's state, report the error (a keyframe request for video)
-            logger.warning("failed to decode a %s frame: %s", codec.name, exc)
-            decode_error.set()
-            continue
-        _deliver(frames, getattr(output_q, SINK_ATTR, None), output_q, loop)
-        dtx = _dtx_since(encoded_frame.data, frames)
+        for encoded_frame in encoded.frames() if isinstance(encoded, JitterFrames) else [encoded]:
+            try:
+                frames = decoder.decode(encoded_frame)
+            except av.FFmpegError as exc:
+                # as aiortc: keep the decoder's state, report the error (a keyframe request for video)
+                logger.warning("failed to decode a %s frame: %s", codec.name, exc)
+                decode_error.set()
+                continue
+            _deliver(frames, getattr(output_q, SINK_ATTR, None), output_q, loop)
+            dtx = _dtx_since(encoded_frame.data, frames)
 
 
 def _fill(filler: SilenceFiller, dtx: DtxSince) -> None:

@@ -159,10 +159,14 @@ class SpeechTrack(MediaStreamTrack):
         ready = self.stereo and self.frame_samples == SAMPLES_PER_FRAME
         self._silence_payload = payload if ready else None
         self._dtx = DtxSchedule() if dtx and self._silence_payload else None
-        self._dtx_payload = dtx_packet(self._silence_payload) if self._dtx is not None else b""
+        self._dtx_payload = dtx_packet(self._silence_payload) if self._silence_payload and dtx else b""
         if self._dtx is not None:
             loop = asyncio.get_running_loop()
-            self.ring.set_data_listener(lambda: loop.call_soon_threadsafe(self._data.set))
+
+            def wake() -> None:  # engine thread: the ring got samples
+                loop.call_soon_threadsafe(self._data.set)
+
+            self.ring.set_data_listener(wake)
 
     def stop(self) -> None:
         super().stop()

@@ -14,7 +14,9 @@ question, 1.5 s silence) and that know when each clip sample left (`ClipTrack.se
   browser's NetEq is typically 20-60 ms). "words" waits for a Whisper partial with a non-backchannel word.
 - CPU per call: server process CPU (all threads) per call-second with `--calls` calls for `--cpu-seconds`:
   send-only (recvonly offer), two-way with a silent mic, two-way with the mic speaking (the question
-  looped) with transcripts off and on; the agent is silent in all four.
+  looped) with transcripts off and on; the agent is silent in all four (so in DTX with `[webrtc] dtx`).
+  aiortc's encoder has no DTX: these callers send all 50 mic frames a second even when silent, as a
+  caller that ignores `usedtx=1` would; `bench.browser_cpu` measures Chromium callers, which honour it.
 Several trials; p50/p95 printed with the load average; JSON in bench/results/listen_latency.json.
 """
 

@@ -62,14 +62,20 @@ class Speaker(HttpPeer):
         self._last_s: float | None = None
 
     async def _drain(self, track: Any) -> None:
+        last_pts: int | None = None
         with contextlib.suppress(MediaStreamError, asyncio.CancelledError):
             while True:
-                await track.recv()
+                frame = await track.recv()
                 now = time.monotonic()
                 inside = self.window is not None and self.window[0] <= now <= self.window[1]
-                if inside and self._last_s is not None and now - self._last_s > GAP_S:
+                # a DTX pause ([webrtc] dtx) is silence the sender skipped: its timestamps jump as far
+                # as the clock, so only the pause beyond that jump is a gap
+                skipped_s = 0.0
+                if last_pts is not None and frame.pts is not None:
+                    skipped_s = max(0.0, (frame.pts - last_pts - frame.samples) / frame.sample_rate)
+                if inside and self._last_s is not None and now - self._last_s - skipped_s > GAP_S:
                     self.client_gaps += 1
-                self._last_s = now
+                self._last_s, last_pts = now, frame.pts
                 self.frames_received += 1
 
 

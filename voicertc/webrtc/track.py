@@ -164,12 +164,14 @@ class SpeechTrack(MediaStreamTrack):
             loop = asyncio.get_running_loop()
 
             def wake() -> None:  # engine thread: the ring got samples
-                loop.call_soon_threadsafe(self._data.set)
+                with contextlib.suppress(RuntimeError):  # the loop closed under a late write
+                    loop.call_soon_threadsafe(self._data.set)
 
             self.ring.set_data_listener(wake)
 
     def stop(self) -> None:
         super().stop()
+        self.ring.set_data_listener(None)
         self._data.set()  # a recv() asleep in DTX sees the end now
 
     @classmethod

@@ -20,6 +20,7 @@ CALL_COUNTERS = {
     "late_frames": "Frames sent more than one frame after their due time (engine, event loop or CPU behind).",
     "gaps_over_100ms": "Pauses of more than 100 ms between two frames sent.",
     "frames_sent": "Audio frames sent.",
+    "dtx_frames": "Silent audio frames not sent ([webrtc] dtx): their time passed with no packet.",
     "barge_ins": "Utterances cut because the caller spoke ([listen] barge_in).",
     "user_speech_segments": "Caller speech segments detected (user.speech.started).",
     "inbound_dropped_frames": "16 kHz microphone frames dropped because a reader fell behind.",

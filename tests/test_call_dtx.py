@@ -37,6 +37,7 @@ async def test_a_silent_agent_sends_dtx_and_speaks_on_time():
         assert rms(client.audio()) > 0.05
         stats = call.track.stats
         assert stats.dtx_frames > 20 and stats.gaps_over_100ms == 0 and stats.underrun_frames == 0
+        assert call.counters()["dtx_frames"] == stats.dtx_frames  # /metrics: voicertc_dtx_frames_total
 
 
 @pytest.mark.parametrize("mic", [True, False])

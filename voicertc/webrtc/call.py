@@ -477,6 +477,7 @@ class Call:
             "late_frames": stats.late_frames,
             "gaps_over_100ms": stats.gaps_over_100ms,
             "frames_sent": stats.frames_sent,
+            "dtx_frames": stats.dtx_frames,
             "barge_ins": self.barge_ins,
             "user_speech_segments": self.listener.speech_segments if self.listener else 0,
             "inbound_dropped_frames": self.listener.dropped_frames if self.listener else 0,

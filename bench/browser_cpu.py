@@ -65,6 +65,11 @@ async def open_call(context: Any, url: str) -> Any:
     return page
 
 
+def packets_per_s(before: list[dict], after: list[dict], key: str, seconds: float) -> float:
+    """Packets per second counted by `key` over every page's `getStats()` between two readings."""
+    return sum(a[key] - b[key] for a, b in zip(after, before, strict=True)) / seconds
+
+
 async def measure(dtx: bool, calls: int, seconds: float, runs: int) -> list[dict[str, Any]]:
     """`runs` windows of `seconds` with `calls` silent two-way Chromium calls on one server."""
     from playwright.async_api import async_playwright
@@ -91,15 +96,14 @@ async def measure(dtx: bool, calls: int, seconds: float, runs: int) -> list[dict
                     cpu1, t1 = process_cpu_s(pid), time.monotonic()
                     after = [await page.evaluate(STATS_JS) for page in pages]
                     elapsed = t1 - t0
+
                     row = {
                         "dtx": dtx,
                         "calls": calls,
                         "run": run,
                         "cpu_%_per_call": 100.0 * (cpu1 - cpu0) / elapsed / calls,
-                        "mic_pkts_per_s": sum(a["sent"] - b["sent"] for a, b in zip(after, before)) / elapsed / calls,
-                        "agent_pkts_per_s": sum(a["received"] - b["received"] for a, b in zip(after, before))
-                        / elapsed
-                        / calls,
+                        "mic_pkts_per_s": packets_per_s(before, after, "sent", elapsed) / calls,
+                        "agent_pkts_per_s": packets_per_s(before, after, "received", elapsed) / calls,
                         "agent_concealed_samples": sum(a["concealed"] for a in after),
                     }
                     print(f"  {row}", flush=True)

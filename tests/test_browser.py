@@ -90,7 +90,9 @@ async def test_page_call_speak_transcribe_interrupt(server_url):
         text = transcribe(heard)
         wer = word_error_rate(SENTENCE, text)
         print(f"heard {text!r}: WER {wer:.2f}, speak -> first audio heard {ttfa_ms:.0f} ms")
-        assert wer <= 0.15, f"WER {wer:.2f}: heard {text!r}"
+        # Whisper tiny on Piper through Opus usually misses 1-2 of these 17 words ("jumps", "dog"):
+        # 8 runs on 2026-11-27 gave 0.06-0.12 with and without DTX, one CI run 0.18; garbled audio is > 0.3
+        assert wer <= 0.2, f"WER {wer:.2f}: heard {text!r}"
 
         await page.evaluate(f"voicertc.speak({LONG_TEXT!r})")
         await wait_for(page, "voicertc.state.events.filter(e => e.type === 'speech.started').length === 2")

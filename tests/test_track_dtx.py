@@ -86,6 +86,16 @@ async def test_samples_written_during_dtx_wake_the_track_and_keep_their_time():
     assert stats.gaps_over_100ms == stats.late_frames == stats.underrun_frames == stats.reanchors == 0
 
 
+async def test_an_utterance_that_stalls_into_dtx_counts_every_frame_it_missed_as_an_underrun():
+    track, ring, fake = dtx_track()
+    ring.write(sine_int16(0.1), "u", ring.generation)  # 5 frames, then the engine stalls (no end mark)
+    frames = [await track.recv() for _ in range(5 + HANGOVER_FRAMES + 2)]  # the stall reaches DTX
+    assert isinstance(frames[-2], Packet)  # the DTX packet, mid-utterance
+    due = round((fake.now - 1000.0) / FRAME_S) + 1  # frames due so far, the last one included
+    assert track.stats.underrun_frames == due - 5, track.stats  # every frame after the 5 with audio
+    assert track.stats.dtx_frames > 0 and track.playing_utterance == "u"
+
+
 async def test_without_dtx_every_silent_frame_goes_out():
     track, _, fake = dtx_track(dtx=False)
     frames = [await track.recv() for _ in range(3 * REFRESH_FRAMES)]

@@ -235,6 +235,7 @@ class SpeechTrack(MediaStreamTrack):
         passed = int((now - self._deadline(self._frame_index)) // self._frame_s)  # frames due before now
         skipped = max(0, min(passed, frames_left - 1))
         self._dtx.skip(skipped)
+        self._count_skipped(skipped)  # a stalled utterance's frames are underruns, DTX or not
         self.stats.dtx_frames += skipped
         self._frame_index += skipped
         self._samples_sent += skipped * self.frame_samples

@@ -36,6 +36,9 @@
 #   MODEL_DIR        where the model directory is built (default: .models/cv2_full; cpu: .models/cv2_tiny_suite)
 #   WORK             scratch folder for the steps' files (default: a fresh mktemp -d)
 #   KEEP_DUMPS       1: also pack the peer bench's .pt dumps (mels + PCM of both sides; a few MB)
+#   STEPS            only these steps (names as in steps.tsv, space-separated; default: all): a lease split
+#                    in two calls runs half each, e.g. STEPS="model_dir pytest_gpu cv2_stream cv2_load"
+#   LEVELS_SMALL, LEVELS_LARGE  cv2_load's concurrency levels of its two steps (default 1 8 16 / 32 64)
 #   SUITE            v2 (default) | v3: CosyVoice3 instead (issue 21): its full-size directory, the GPU tests,
 #                    `bench.cv3_stream` (incremental vs re-run per chunk), `bench.cv2_load --version 3`
 #                    1/8/16 then 32/64, `bench.peer_official --version 3` float32 (the official
@@ -65,6 +68,7 @@ if [ "${1:-}" = prepare ]; then  # on a machine with PyPI and ../shared beside t
     exit 0
 fi
 
+LEVELS_SMALL_ENV=${LEVELS_SMALL:-} LEVELS_LARGE_ENV=${LEVELS_LARGE:-}  # read before the defaults below
 OUT=${1:-${OUT:?usage: bench/gpu_suite.sh OUT_DIR (or set OUT); see the top of this file}}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 DEV=${DEV:-cuda}
@@ -108,6 +112,10 @@ else
     PEER_HALF=(--device cuda --dtype bfloat16 --tokens 250 750 --runs 2 --no-official-floor --cuda-graphs)
     T_DIR=60 T_TEST=90 T_STREAM=50 T_PROBE=70 T_LOAD=110 T_PEER32=130 T_PEER16=110 T_LOAD_LARGE=240
 fi
+# shellcheck disable=SC2206  # space-separated lists from the environment
+[ -n "$LEVELS_SMALL_ENV" ] && LEVELS_SMALL=($LEVELS_SMALL_ENV)
+# shellcheck disable=SC2206
+[ -n "$LEVELS_LARGE_ENV" ] && LEVELS_LARGE=($LEVELS_LARGE_ENV)
 
 SUITE=${SUITE:-v2}
 if [ "$SUITE" = v3 ]; then
@@ -143,6 +151,7 @@ pack() {  # the archive of everything so far, replaced atomically
 
 step() {  # step NAME CAP_S COMMAND...: run under min(CAP_S, time left), log it, pack it
     local name=$1 cap=$2; shift 2
+    if [ -n "${STEPS:-}" ] && [ "$name" != wheels ] && [[ " $STEPS " != *" $name "* ]]; then return; fi  # not asked for
     local left=$(( DEADLINE_S - ($(date +%s) - START) - 10 ))
     local limit=$(( cap < left ? cap : left ))
     if [ "$limit" -lt 15 ]; then

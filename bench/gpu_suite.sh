@@ -39,6 +39,8 @@
 #   STEPS            only these steps (names as in steps.tsv, space-separated; default: all): a lease split
 #                    in two calls runs half each, e.g. STEPS="model_dir pytest_gpu cv2_stream cv2_load"
 #   LEVELS_SMALL, LEVELS_LARGE  cv2_load's concurrency levels of its two steps (default 1 8 16 / 32 64)
+#   PEER_TOKENS, PEER_RUNS  bench.peer_official's utterance lengths and runs on cuda (default "250 750", 2;
+#                    each official process costs ~25-30 s on an H100 before its first chunk)
 #   SUITE            v2 (default) | v3: CosyVoice3 instead (issue 21): its full-size directory, the GPU tests,
 #                    `bench.cv3_stream` (incremental vs re-run per chunk), `bench.cv2_load --version 3`
 #                    1/8/16 then 32/64, `bench.peer_official --version 3` float32 (the official
@@ -108,8 +110,10 @@ else
     PROBE=(--device cuda --dtype bfloat16 --runs 3 --rows 1 16)
     LOAD=(--device cuda --dtype bfloat16 --cuda-graphs --max-tokens 250 --timeout-s 100)
     LEVELS_SMALL=(1 8 16) LEVELS_LARGE=(32 64)
-    PEER_FP32=(--device cuda --dtype float32 --tokens 250 750 --runs 2)
-    PEER_HALF=(--device cuda --dtype bfloat16 --tokens 250 750 --runs 2 --no-official-floor --cuda-graphs)
+    # shellcheck disable=SC2206  # PEER_TOKENS: space-separated
+    PEER_T=(${PEER_TOKENS:-250 750}) PEER_R=${PEER_RUNS:-2}
+    PEER_FP32=(--device cuda --dtype float32 --tokens "${PEER_T[@]}" --runs "$PEER_R")
+    PEER_HALF=(--device cuda --dtype bfloat16 --tokens "${PEER_T[@]}" --runs "$PEER_R" --no-official-floor --cuda-graphs)
     T_DIR=60 T_TEST=90 T_STREAM=50 T_PROBE=70 T_LOAD=110 T_PEER32=130 T_PEER16=110 T_LOAD_LARGE=240
 fi
 # shellcheck disable=SC2206  # space-separated lists from the environment
@@ -128,7 +132,7 @@ if [ "$SUITE" = v3 ]; then
         MODEL_DIR=${MODEL_DIR_V3:-$ROOT/.models/cv3_full}
         MAKE_DIR=(bench.make_full_model_dir --version 3 --out "$MODEL_DIR")
         CV3_STREAM=(--device cuda --runs 3 --seconds 30 --chunks 0,1,4,8)
-        PEER_V3=(--device cuda --dtype float32 --tokens 250 750 --runs 2)
+        PEER_V3=(--device cuda --dtype float32 --tokens "${PEER_T[@]}" --runs "$PEER_R")
         T_STREAM=70  # builds its own full-size flow + HiFT, then re-runs the history at 4 chunks
     fi
     LOAD_V3=("${LOAD[@]}" --version 3)

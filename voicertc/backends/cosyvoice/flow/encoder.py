@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -117,10 +118,28 @@ class RelPositionAttention(nn.Module):
 
     def forward(self, x: Tensor, cache: KVCache, mask: Tensor | None) -> Tensor:
         # x: [1, Tq, D] new frames at absolute positions cache.frames.. -> [1, Tq, D]
-        start, query_len = cache.frames, x.shape[1]
+        start = cache.frames
         q = self._split(self.linear_q(x))
         k, v = cache.append(self._split(self.linear_k(x)), self._split(self.linear_v(x)))
         prefix = cache.prefix()  # a forked cache's read-only prompt frames, never concatenated
+        return self._attend(x, q, k, v, prefix, start, mask)
+
+    def forward_rows(self, x: Tensor, caches: list[KVCache], mask: Tensor | None) -> Tensor:
+        """`forward` for B rows at the same positions, one cache each (`rows_line_up`): the new
+        keys/values go into each row's cache, the attention runs once over the rows' stacked keys."""
+        # x: [B, Tq, D] -> [B, Tq, D]
+        start = caches[0].frames
+        q = self._split(self.linear_q(x))
+        k_new, v_new = self._split(self.linear_k(x)), self._split(self.linear_v(x))
+        own = [c.append(k_new[b : b + 1], v_new[b : b + 1]) for b, c in enumerate(caches)]
+        k, v = torch.cat([o[0] for o in own]), torch.cat([o[1] for o in own])
+        return self._attend(x, q, k, v, stacked_prefix(caches), start, mask)
+
+    def _attend(
+        self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, prefix: tuple[Tensor, Tensor] | None, start: int,
+        mask: Tensor | None,
+    ) -> Tensor:  # fmt: skip
+        query_len = x.shape[1]
         key_len = k.shape[2] + (0 if prefix is None else prefix[0].shape[2])
         q_u = q + self.pos_bias_u[None, :, None, :]
         scores_own = q_u @ k.transpose(-2, -1)  # [B, H, Tq, U]
@@ -177,6 +196,10 @@ class ConformerLayer(nn.Module):
         x = x + self.self_attn(self.norm_mha(x), cache, mask)
         return x + self.feed_forward(self.norm_ff(x))
 
+    def forward_rows(self, x: Tensor, caches: list[KVCache], mask: Tensor | None) -> Tensor:
+        x = x + self.self_attn.forward_rows(self.norm_mha(x), caches, mask)
+        return x + self.feed_forward(self.norm_ff(x))
+
 
 class PreLookaheadLayer(nn.Module):
     """conv1 (k=4, looks 3 tokens ahead) -> leaky ReLU -> causal conv2 (k=3) -> residual.
@@ -192,15 +215,23 @@ class PreLookaheadLayer(nn.Module):
 
     def forward(self, x: Tensor, context: Tensor | None, cache: EncoderCache) -> Tensor:
         # x: [1, T, D] new tokens, context: [1, lookahead, D] or None (= end of utterance) -> [1, T, D]
+        return self.forward_rows(x, context, [cache])
+
+    def forward_rows(self, x: Tensor, context: Tensor | None, caches: list[EncoderCache]) -> Tensor:
+        # x: [B, T, D], context: [B, lookahead, D] or None, one cache per row -> [B, T, D]
         h = x.transpose(1, 2)
         if context is None:
             h = F.pad(h, (0, self.lookahead_tokens))
         else:
             h = torch.cat([h, context.transpose(1, 2)], dim=2)
         h = F.leaky_relu(self.conv1(h))
-        left = cache.lookahead_tail if cache.lookahead_tail is not None else h.new_zeros(1, h.shape[1], 2)
-        h = torch.cat([left, h], dim=2)
-        cache.lookahead_tail = h[:, :, -2:]
+        left = [
+            c.lookahead_tail if c.lookahead_tail is not None else h.new_zeros(1, h.shape[1], 2)
+            for c in caches
+        ]
+        h = torch.cat([left[0] if len(left) == 1 else torch.cat(left), h], dim=2)
+        for b, c in enumerate(caches):
+            c.lookahead_tail = h[b : b + 1, :, -2:]
         return self.conv2(h).transpose(1, 2) + x
 
 
@@ -214,10 +245,17 @@ class Upsample1D(nn.Module):
 
     def forward(self, x: Tensor, cache: EncoderCache) -> Tensor:
         # x: [1, T, D] tokens -> [1, stride*T, D] frames
+        return self.forward_rows(x, [cache])
+
+    def forward_rows(self, x: Tensor, caches: list[EncoderCache]) -> Tensor:
+        # x: [B, T, D] tokens, one cache per row -> [B, stride*T, D] frames
         h = x.transpose(1, 2)
-        left = cache.upsample_tail if cache.upsample_tail is not None else h.new_zeros(1, h.shape[1], 2)
-        h = torch.cat([left, h], dim=2)
-        cache.upsample_tail = h[:, :, -2:]
+        left = [
+            c.upsample_tail if c.upsample_tail is not None else h.new_zeros(1, h.shape[1], 2) for c in caches
+        ]
+        h = torch.cat([left[0] if len(left) == 1 else torch.cat(left), h], dim=2)
+        for b, c in enumerate(caches):
+            c.upsample_tail = h[b : b + 1, :, -2:]
         h = F.interpolate(h, scale_factor=float(self.stride), mode="nearest")
         return self.conv(h).transpose(1, 2)
 
@@ -269,3 +307,66 @@ class UpsampleConformerEncoder(nn.Module):
             x = layer(x, kv, mask)
         cache.tokens = start + length
         return self.after_norm(x)
+
+    def forward_rows(
+        self, token_emb: Tensor, context_emb: Tensor | None, caches: list[EncoderCache], chunk_masks: bool
+    ) -> Tensor:
+        """`forward` for B utterances whose caches line up (`rows_line_up`) as one batch: on a GPU the
+        encoder costs its launches, so utterances that start together encode together."""
+        # token_emb: [B, T, D_in], context_emb: [B, lookahead, D_in] | None -> [B, 2T, D]
+        if not rows_line_up(caches):
+            raise ValueError("forward_rows: the caches are at different positions")
+        start, length = caches[0].tokens, token_emb.shape[1]
+        x = self.embed(token_emb)
+        context = self.embed(context_emb) if context_emb is not None else None
+        x = self.pre_lookahead_layer.forward_rows(x, context, caches)
+        chunk = self.chunk_tokens if chunk_masks else None
+        mask = chunk_attention_mask(start, length, chunk, x.device)
+        for i, layer in enumerate(_conformers(self.encoders)):
+            x = layer.forward_rows(x, [c.layers[i] for c in caches], mask)
+        x = self.up_embed(self.up_layer.forward_rows(x, caches))
+        stride = self.up_layer.stride
+        up_chunk = chunk * stride if chunk is not None else None
+        mask = chunk_attention_mask(start * stride, length * stride, up_chunk, x.device)
+        for i, layer in enumerate(_conformers(self.up_encoders)):
+            x = layer.forward_rows(x, [c.up_layers[i] for c in caches], mask)
+        for c in caches:
+            c.tokens = start + length
+        return self.after_norm(x)
+
+
+def _conformers(layers: nn.ModuleList) -> list[ConformerLayer]:
+    return [cast(ConformerLayer, layer) for layer in layers]  # ModuleList items type as Module
+
+
+def rows_line_up(caches: list[EncoderCache]) -> bool:
+    """Whether the caches can run as rows of one batch: the same tokens encoded and, layer by layer,
+    the same read-only prefix and own frames (so one mask and one position table serve every row)."""
+    first = caches[0]
+    return all(
+        c.tokens == first.tokens
+        and (c.lookahead_tail is None) == (first.lookahead_tail is None)
+        and (c.upsample_tail is None) == (first.upsample_tail is None)
+        and len(c.layers) == len(first.layers)
+        and len(c.up_layers) == len(first.up_layers)
+        and all(
+            a.prefix_frames == b.prefix_frames and a.length == b.length
+            for a, b in zip(c.layers + c.up_layers, first.layers + first.up_layers, strict=True)
+        )
+        for c in caches[1:]
+    )
+
+
+def stacked_prefix(caches: list[KVCache]) -> tuple[Tensor, Tensor] | None:
+    """The rows' read-only prefixes as one [B, H, P, Dh] pair (a shared voice prefix is expanded, not
+    copied); None when the rows have none."""
+    prefixes = [c.prefix() for c in caches]
+    first = prefixes[0]
+    if first is None:
+        return None
+    if all(p is not None and p[0] is first[0] and p[1] is first[1] for p in prefixes):
+        rows = len(caches)
+        return first[0].expand(rows, -1, -1, -1), first[1].expand(rows, -1, -1, -1)
+    if any(p is None for p in prefixes):
+        raise ValueError("stacked_prefix: some rows have a prefix and some do not")
+    return torch.cat([p[0] for p in prefixes if p]), torch.cat([p[1] for p in prefixes if p])

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from voicertc.backends.cosyvoice.flow.cfm import CausalConditionalCFM, EulerSolve, fixed_noise
 from voicertc.backends.cosyvoice.flow.config import NOISE_FRAMES, YAML_NAME, FlowConfig
-from voicertc.backends.cosyvoice.flow.encoder import EncoderCache, UpsampleConformerEncoder
+from voicertc.backends.cosyvoice.flow.encoder import EncoderCache, UpsampleConformerEncoder, rows_line_up
 from voicertc.backends.cosyvoice.flow.kv import KVCache
 from voicertc.backends.cosyvoice.flow.unet import EstimatorCache
 from voicertc.backends.cosyvoice.load.checkpoint import check_layout
@@ -102,6 +102,8 @@ class _Chunk:
 
 class CausalFlow(nn.Module):
     """Checkpoint-compatible flow: `state_dict()` keys and shapes equal the official `flow.pt`."""
+
+    encodes_rows = True  # utterances that line up share one encoder forward (`_encode_all`)
 
     def __init__(self, cfg: FlowConfig) -> None:
         super().__init__()
@@ -332,6 +334,19 @@ class CausalFlow(nn.Module):
         h = self.encoder(token_emb, context_emb, state.encoder, chunk_masks)
         return self.encoder_proj(h).transpose(1, 2)
 
+    def _encode_all(self, chunks: list[_Chunk], chunk_masks: bool) -> Tensor:
+        """mu [B, 80, 2T] of every chunk: one batched encoder forward when the utterances line up (the
+        same tokens encoded so far and now: utterances that started together), else one each."""
+        if self.encodes_rows and len(chunks) > 1 and _chunks_line_up(chunks):
+            token_emb = self.input_embedding(torch.cat([c.tokens for c in chunks]))
+            contexts = [c.context for c in chunks if c.context is not None]
+            context_emb = self.input_embedding(torch.cat(contexts)) if contexts else None
+            h = self.encoder.forward_rows(
+                token_emb, context_emb, [c.state.encoder for c in chunks], chunk_masks
+            )
+            return self.encoder_proj(h).transpose(1, 2)
+        return torch.cat([self._encode(c, chunk_masks) for c in chunks], dim=0)
+
     def _cond(self, state: FlowStreamState, start: int, frames: int) -> Tensor:
         # -> [1, 80, frames]: the prompt mel where the chunk overlaps the prompt, zeros after
         cond = state.spks.new_zeros(1, self.cfg.mel_bins, frames)
@@ -357,12 +372,25 @@ class CausalFlow(nn.Module):
         starts = [c.state.frames for c in chunks]
         for c in chunks:  # the pending prompt tokens are part of this chunk now
             c.state.pending_prompt = c.state.pending_prompt[:, :0]
-        mu = torch.cat([self._encode(c, chunk_masks) for c in chunks], dim=0)
+        mu = self._encode_all(chunks, chunk_masks)
         frames = mu.shape[2]
         noise = torch.cat([fixed_noise()[:, :, s : s + frames] for s in starts], dim=0).to(mu)
         cond = torch.cat([self._cond(c.state, s, frames) for c, s in zip(chunks, starts, strict=True)], dim=0)
         spks = torch.cat([c.state.spks for c in chunks], dim=0)
         return noise, mu, spks, cond, [c.state.estimator for c in chunks], chunk_masks
+
+
+def _chunks_line_up(chunks: list[_Chunk]) -> bool:
+    first = chunks[0]
+    return (
+        all(c.tokens.shape == first.tokens.shape for c in chunks)
+        and all((c.context is None) == (first.context is None) for c in chunks)
+        and all(
+            c.context is None or first.context is None or c.context.shape == first.context.shape
+            for c in chunks
+        )
+        and rows_line_up([c.state.encoder for c in chunks])
+    )
 
 
 @dataclass

@@ -60,6 +60,8 @@ class CausalFlowV3(CausalFlow):
         load_flow_v3_state_dict(flow, weights, str(path))
         return flow.to(device).eval()
 
+    encodes_rows = False  # no conformer: its encode is one conv per utterance
+
     def _new_encoder_cache(self, reserve_tokens: int) -> EncoderCache:
         return EncoderCache()  # only the lookahead conv's tail and the token count are used
 

@@ -10,6 +10,7 @@
 # Steps: (1) the model directory (full-size random weights, `bench.make_full_model_dir`; DEV=cpu: the
 # tiny one), (2) `pytest -m gpu tests/test_gpu*.py`, (3) `bench.cv2_stream` (bfloat16 + CUDA graphs,
 # TTFA only), (3b) `bench.gpu_probe` (decode steps by rows, chunks captured vs eager, profiler tables),
+# (3c) `bench.gpu_flow_probe` (first flow chunks of N utterances: encoder vs Euler steps; v3: its DiT chunks),
 # (4) `bench.cv2_load --concurrency 1 8 16` (bfloat16 + CUDA graphs), (5)/(6) `bench.peer_official` in
 # float32 and in bfloat16 (the official side: its fp16 path), (7) `bench.cv2_load --concurrency 32 64`.
 # cv2_load writes its JSON only at its end, so its levels are split in two steps and the large ones go
@@ -39,6 +40,7 @@
 #   STEPS            only these steps (names as in steps.tsv, space-separated; default: all): a lease split
 #                    in two calls runs half each, e.g. STEPS="model_dir pytest_gpu cv2_stream cv2_load"
 #   LEVELS_SMALL, LEVELS_LARGE  cv2_load's concurrency levels of its two steps (default 1 8 16 / 32 64)
+#   PEER_FLOOR       0: v3's peer step skips the official side's second process (its run-to-run floor)
 #   PEER_TOKENS, PEER_RUNS  bench.peer_official's utterance lengths and runs on cuda (default "250 750", 2;
 #                    each official process costs ~25-30 s on an H100 before its first chunk)
 #   SUITE            v2 (default) | v3: CosyVoice3 instead (issue 21): its full-size directory, the GPU tests,
@@ -55,7 +57,7 @@ if [ "${1:-}" = prepare ]; then  # on a machine with PyPI and ../shared beside t
     # the official CosyVoice3 code's extras (`bench.peer_official --version 3`)
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
-        x-transformers==2.11.24 einx==0.4.3 frozendict==2.5.1
+        x-transformers==2.11.24 einx==0.4.3 frozendict==2.5.1 loguru==0.7.3  # loguru: x-transformers needs it
     mkdir -p .carry
     rm -rf .carry/golden .carry/peer
     cp -r ../shared/peer .carry/peer
@@ -136,6 +138,7 @@ if [ "$SUITE" = v3 ]; then
         T_STREAM=70  # builds its own full-size flow + HiFT, then re-runs the history at 4 chunks
     fi
     LOAD_V3=("${LOAD[@]}" --version 3)
+    [ "${PEER_FLOOR:-1}" = 0 ] && PEER_V3+=(--no-official-floor)
 fi
 
 START=$(date +%s)
@@ -206,12 +209,15 @@ if [ "$SUITE" = v3 ]; then
     step cv3_stream "$T_STREAM" "$PYTHON" -m bench.cv3_stream "${CV3_STREAM[@]}"
     step peer_v3 "$T_PEER32" "$PYTHON" -m bench.peer_official --version 3 --model-dir "$MODEL_DIR" \
         --peer "$PEER_DIR" --site "$PEER_SITE" --out "$PACK/peer_v3" "${PEER_V3[@]}"
+    step flow_probe_v3 "$T_PROBE" "$PYTHON" -m bench.gpu_flow_probe --v3 --device "$DEV" --out "$PACK/flow_probe_v3"
     step cv3_load_large "$T_LOAD_LARGE" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD_V3[@]}" \
         --concurrency "${LEVELS_LARGE[@]}"
     finish
 fi
 step cv2_stream "$T_STREAM" "$PYTHON" -m bench.cv2_stream --model-dir "$MODEL_DIR" "${STREAM[@]}"
 step gpu_probe "$T_PROBE" "$PYTHON" -m bench.gpu_probe --model-dir "$MODEL_DIR" --out "$PACK/gpu_probe" "${PROBE[@]}"
+step flow_probe "$T_PROBE" "$PYTHON" -m bench.gpu_flow_probe --model-dir "$MODEL_DIR" --out "$PACK/flow_probe" \
+    "${PROBE[@]}"
 step cv2_load "$T_LOAD" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD[@]}" \
     --concurrency "${LEVELS_SMALL[@]}"
 step peer_float32 "$T_PEER32" "$PYTHON" -m bench.peer_official --model-dir "$MODEL_DIR" --peer "$PEER_DIR" \

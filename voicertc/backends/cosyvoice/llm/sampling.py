@@ -9,6 +9,7 @@ that crosses top-p included); if the drawn id already occurs in the last `win_si
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -128,8 +129,8 @@ def draw_rows(
     needs the decoded history and is applied after the one sync (`ras_redraw`). Greedy rows: argmax."""
     logp = logits.float().log_softmax(dim=-1)
     for b, ban in enumerate(bans):
-        if ban:
-            logp[b, list(ban)] = -float("inf")
+        if ban:  # a device index made once per ban list (a host list is a copy and a stream sync per step)
+            logp[b].index_fill_(0, ban_index(ban, logp.device), -float("inf"))
     picks = []
     if any(mode == "ras" for mode in modes):
         probs_sorted, ids_sorted = logp.softmax(dim=-1).sort(dim=-1, descending=True, stable=True)
@@ -142,6 +143,12 @@ def draw_rows(
         else:
             picks.append(ids_sorted[b, draw_one(weights[b], generators[b])])
     return torch.cat(picks)
+
+
+@functools.lru_cache(maxsize=64)
+def ban_index(ban: tuple[int, ...], device: torch.device) -> Tensor:
+    """The banned ids as an index tensor on `device`, made once per (ids, device)."""
+    return torch.tensor(ban, dtype=torch.long, device=device)
 
 
 def draw_one(weights: Tensor, generator: torch.Generator | None) -> Tensor:

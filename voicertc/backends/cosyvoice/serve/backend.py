@@ -265,10 +265,12 @@ class CosyVoice2Backend:
             t2w = token2wav_stream(self.model, voice, self.schedule, pcm_to_host=self.lane.to_host)
             try:
                 t2w.push([0] * (self.schedule.first_hop_tokens + self.schedule.lookahead_tokens))
+                per_s = context_bytes_per_s(t2w.flow_state)
                 t2w.finish()
             finally:
                 t2w.release()
         logger.info("%s warmed up in %.0f ms", self.name, 1000 * (time.perf_counter() - started))
+        log_context_headroom(self.model.device, per_s)
         if self.captured is not None:
             self.captured.log_summary()
 
@@ -895,6 +897,30 @@ class CosyVoice2Backend:
         utt.add_metric("vocoder_s", chunk.vocoder_s)
         self.stats["chunks"] += 1
         return chunk
+
+
+MEL_FRAMES_PER_S = 50
+
+
+def context_bytes_per_s(state: FlowStreamState | None) -> float:
+    """Bytes of flow context one utterance holds per second of its speech (every Euler step keeps its
+    own K/V of every frame so far: exact streaming's price; 0 when nothing is cached yet)."""
+    if state is None or not state.frames:
+        return 0.0
+    return state.cache_bytes() / state.frames * MEL_FRAMES_PER_S
+
+
+def log_context_headroom(device: torch.device, per_s: float) -> None:
+    """On a GPU, how much speech can be in flight at once: the flow contexts, not compute, bound how
+    many utterances stream together (an out-of-memory fails the batch that meets it)."""
+    if device.type != "cuda" or per_s <= 0:
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    logger.info(
+        "flow context: %.1f MB per second of speech per utterance; %.1f GB free after warm-up: about %.0f s "
+        "of speech in flight at once (%d utterances of 10 s)",
+        per_s / 2**20, free / 2**30, free / per_s, int(free / per_s / 10),
+    )  # fmt: skip
 
 
 def _flow_state(job: Cv2Job, t2w: Token2WavStream) -> FlowStreamState:

@@ -19,7 +19,6 @@ Writes DIR/gpu_flow_probe.json and DIR/profile_*.txt.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_probe import _profile_table, make_voice
+from bench.gpu_probe import _profile_table, make_voice, probe_output
 from bench.report import summary
 from voicertc.backends.cosyvoice.load import load_v2
 from voicertc.backends.cosyvoice.load.files import DTYPES
@@ -174,13 +173,7 @@ def main() -> None:
     parser.add_argument("--v3", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    record: dict[str, object] = {"args": vars(args)}
-
-    def save() -> None:
-        (out / "gpu_flow_probe.json").write_text(json.dumps(record, indent=1, default=str))
+    out, record, save = probe_output(args, "gpu_flow_probe.json")
 
     if args.v3:
         v3_probe(args, out, record, save)

@@ -63,6 +63,22 @@ def _profile_table(fn: Callable[[], object], device: torch.device, path: Path) -
     path.write_text("\n\n".join(parts))
 
 
+def probe_output(
+    args: argparse.Namespace, filename: str
+) -> tuple[Path, dict[str, object], Callable[[], None]]:
+    """A probe's output folder (`args.out`, made), its record (the arguments first) and a `save()` that
+    rewrites `filename` there (called after every phase: a cut run keeps what it measured)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record: dict[str, object] = {"args": vars(args)}
+
+    def save() -> None:
+        (out / filename).write_text(json.dumps(record, indent=1, default=str))
+
+    return out, record, save
+
+
 def make_voice(model: object, prompt_tokens: int = 75) -> Voice:
     gen = torch.Generator().manual_seed(11)
     return voice_from_features(
@@ -141,13 +157,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16])
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    record: dict[str, object] = {"args": vars(args)}
-
-    def save() -> None:
-        (out / "gpu_probe.json").write_text(json.dumps(record, indent=1, default=str))
+    out, record, save = probe_output(args, "gpu_probe.json")
 
     model = load(args.model_dir, args.device, DTYPES[args.dtype])
     device = model.device

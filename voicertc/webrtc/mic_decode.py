@@ -44,7 +44,11 @@ FrameSink = Callable[[Any], None]
 SINK_ATTR = "voicertc_sink"  # set on a RemoteStreamTrack's asyncio.Queue
 FILLER_ATTR = "voicertc_filler"
 DTX_MAX_BYTES = 2  # an Opus packet this short is DTX (a TOC byte, no frame data): what NetEq assumes
-DTX_MARGIN_S = 0.04  # silence is filled this far behind the wall clock (the caller packets' jitter)
+# silence is filled this far behind the wall clock: the caller's packets' jitter, and a stall of this
+# process or of the caller's sender. Speech that resumes later than this after a DTX silence arrives for
+# time already heard as silence and loses its head (the trim); at 40 ms, a loaded machine (the
+# 2026-11-27 make test) split Chromium callers' questions in two this way
+DTX_MARGIN_S = 0.12
 AIORTC_JITTER_BUFFER = jitterbuffer.JitterBuffer
 
 

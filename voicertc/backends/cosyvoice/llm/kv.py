@@ -165,9 +165,9 @@ class SlotKV:
         if len(rows) != embeds.shape[0]:
             raise ValueError(f"{len(rows)} slots for a batch of {embeds.shape[0]}")
         index, positions, span = self._place(rows, embeds.shape[1])
-        hidden, cos, sin, mask = self._inputs(positions, embeds, span)
+        hidden, step = self._inputs(index, positions, embeds, span)
         for i, layer in enumerate(self._decoder_layers()):
-            hidden = self._layer(layer, i, hidden, cos, sin, index, positions, span, mask)
+            hidden = self._layer(layer, i, hidden, step)
             yield
         for r in rows:
             r.length += embeds.shape[1]
@@ -202,54 +202,35 @@ class SlotKV:
         """The layers on device tensors only (no host sync, so a CUDA graph can capture it): rows
         `index` [B] write their keys/values at `positions` [B, T] and attend to keys [0, span) up to their
         own position. `span` = the capacity gives every call the same shapes. Hidden states [B, T, H]."""
-        hidden, cos, sin, mask = self._inputs(positions, embeds, span)
+        hidden, step = self._inputs(index, positions, embeds, span)
         for i, layer in enumerate(self._decoder_layers()):
-            hidden = self._layer(layer, i, hidden, cos, sin, index, positions, span, mask)
+            hidden = self._layer(layer, i, hidden, step)
         return self.backbone.norm(hidden)
 
-    def _inputs(self, positions: Tensor, embeds: Tensor, span: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _inputs(
+        self, index: Tensor, positions: Tensor, embeds: Tensor, span: int
+    ) -> tuple[Tensor, StepInputs]:
         keys = torch.arange(span, device=self.device)
         mask = keys[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, span]
         hidden = embeds.to(self.dtype)
         cos, sin = self.backbone.rotary_emb(hidden, positions)
-        return hidden, cos, sin, mask
+        return hidden, StepInputs(index, positions, span, mask, cos, sin)
 
     def _decoder_layers(self) -> Sequence[Qwen2DecoderLayer]:
         # nn.ModuleList is not generic (its items type as Module): these are Qwen2 decoder layers
         return cast(Sequence[Qwen2DecoderLayer], self.backbone.layers[: self.layers])
 
-    def _layer(
-        self,
-        layer: Qwen2DecoderLayer,
-        i: int,
-        hidden: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        index: Tensor,
-        positions: Tensor,
-        span: int,
-        mask: Tensor,
-    ) -> Tensor:
+    def _layer(self, layer: Qwen2DecoderLayer, i: int, hidden: Tensor, step: StepInputs) -> Tensor:
         if self.fused is not None:
-            return self._fused_layer(self.fused[i], layer, i, hidden, cos, sin, index, positions, span, mask)
+            return self._fused_layer(self.fused[i], layer, i, hidden, step)
         residual = hidden
         x = layer.input_layernorm(hidden)
-        hidden = residual + self._attention(layer.self_attn, x, cos, sin, i, index, positions, span, mask)
+        hidden = residual + self._attention(layer.self_attn, x, i, step)
         residual = hidden
         return residual + layer.mlp(layer.post_attention_layernorm(hidden))
 
     def _fused_layer(
-        self,
-        fused: FusedLayer,
-        layer: Qwen2DecoderLayer,
-        i: int,
-        hidden: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        index: Tensor,
-        positions: Tensor,
-        span: int,
-        mask: Tensor,
+        self, fused: FusedLayer, layer: Qwen2DecoderLayer, i: int, hidden: Tensor, step: StepInputs
     ) -> Tensor:
         """`_layer` with q/k/v as one matmul, gate/up as one, each RMSNorm one op and q and k rotated
         together: the same function in about half the kernels (a decode step is launch-bound)."""
@@ -257,44 +238,48 @@ class SlotKV:
         heads, kv_heads = self.heads, self.kv_heads
         x = F.rms_norm(hidden, (hidden.shape[-1],), fused.input_norm, fused.eps)
         qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias).view(batch, n_new, heads + 2 * kv_heads, -1)
-        qk = rotate(qkv[:, :, : heads + kv_heads], cos, sin)  # [B, T, heads + kv_heads, D]
-        rows = index[:, None].expand(batch, n_new)
-        self.k[i][rows, :, positions] = qk[:, :, heads:]
-        self.v[i][rows, :, positions] = qkv[:, :, heads + kv_heads :]
-        keys = self.k[i, index, :, :span]  # [B, kv_heads, span, D]
-        values = self.v[i, index, :, :span]
-        out = grouped_attention(qk[:, :, :heads].transpose(1, 2), keys, values, mask, layer.self_attn.scaling)
+        qk = rotate(qkv[:, :, : heads + kv_heads], step.cos, step.sin)  # [B, T, heads + kv_heads, D]
+        keys, values = self._cache(i, qk[:, :, heads:], qkv[:, :, heads + kv_heads :], step)
+        out = grouped_attention(
+            qk[:, :, :heads].transpose(1, 2), keys, values, step.mask, layer.self_attn.scaling
+        )
         hidden = hidden + layer.self_attn.o_proj(out.transpose(1, 2).reshape(batch, n_new, -1))
         x = F.rms_norm(hidden, (hidden.shape[-1],), fused.post_norm, fused.eps)
         gate, up = F.linear(x, fused.gate_up_weight).chunk(2, dim=-1)
         return hidden + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
-    def _attention(
-        self,
-        attn: Qwen2Attention,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        layer: int,
-        index: Tensor,
-        positions: Tensor,
-        span: int,
-        mask: Tensor,
-    ) -> Tensor:
+    def _attention(self, attn: Qwen2Attention, x: Tensor, layer: int, step: StepInputs) -> Tensor:
         # x: [B, T, H] -> [B, T, H]
         batch, n_new, _ = x.shape
         q = attn.q_proj(x).view(batch, n_new, self.heads, self.head_dim).transpose(1, 2)
         k = attn.k_proj(x).view(batch, n_new, self.kv_heads, self.head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(batch, n_new, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        rows = index[:, None].expand(batch, n_new)
-        # advanced indexing on (slot, position) puts those dims first: [B, T, kv_heads, D]
-        self.k[layer][rows, :, positions] = k.transpose(1, 2)
-        self.v[layer][rows, :, positions] = v.transpose(1, 2)
-        keys = self.k[layer, index, :, :span]  # [B, kv_heads, span, D]
-        values = self.v[layer, index, :, :span]
-        out = grouped_attention(q, keys, values, mask, attn.scaling)
+        q, k = apply_rotary_pos_emb(q, k, step.cos, step.sin)
+        keys, values = self._cache(layer, k.transpose(1, 2), v.transpose(1, 2), step)
+        out = grouped_attention(q, keys, values, step.mask, attn.scaling)
         return attn.o_proj(out.transpose(1, 2).reshape(batch, n_new, -1))
+
+    def _cache(self, layer: int, k: Tensor, v: Tensor, step: StepInputs) -> tuple[Tensor, Tensor]:
+        """Write the new keys/values [B, T, kv_heads, D] at the rows' positions; every row's keys and
+        values [0, span) -> ([B, kv_heads, span, D], [B, kv_heads, span, D])."""
+        rows = step.index[:, None].expand(k.shape[0], k.shape[1])
+        # advanced indexing on (slot, position) puts those dims first: [B, T, kv_heads, D]
+        self.k[layer][rows, :, step.positions] = k
+        self.v[layer][rows, :, step.positions] = v
+        return self.k[layer, step.index, :, : step.span], self.v[layer, step.index, :, : step.span]
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What every layer of one forward shares: the rows' slots [B], their new positions [B, T], the key
+    span, the causal mask [B, 1, T, span] and the rotary angles [B, T, D]."""
+
+    index: Tensor
+    positions: Tensor
+    span: int
+    mask: Tensor
+    cos: Tensor
+    sin: Tensor
 
 
 @dataclass(eq=False)

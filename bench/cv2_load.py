@@ -192,7 +192,12 @@ def main() -> None:
     finally:
         engine.stop()
     print(table([_row(r) for r in results], list(_row(results[0]))))  # noqa: T201 - benchmark output
-    record = {"args": vars(args), "device_name": _device_name(args.device), "results": results}
+    captured = backend.captured_counts()  # replays / eager fallbacks / captures over every level
+    if captured:
+        print("captured stages (replays / eager / captures):", captured)  # noqa: T201
+    record = {
+        "args": vars(args), "device_name": _device_name(args.device), "results": results, "captured": captured
+    }  # fmt: skip
     name = f"cv{args.version}_load_{args.device.split(':')[0]}_{args.dtype}"
     name += "_graphs" if args.cuda_graphs else ""
     name += "" if args.llm == "torch" else f"_llm_{args.llm}"

@@ -124,7 +124,9 @@ def ttfa_rows(
     prompt_tokens: int,
     schedule: ChunkSchedule,
     cuda_graphs: bool = False,
-) -> tuple[list[dict[str, object]], float]:
+) -> tuple[list[dict[str, object]], float, dict[str, dict[str, int]]]:
+    """TTFA parts of `runs` utterances, the voice preparation time, and the captured stages' counts
+    (replays, eager fallbacks, captures: whether the runs replayed what warm-up captured)."""
     gen = torch.Generator().manual_seed(11)
     started = time.perf_counter()
     voice = voice_from_features(
@@ -162,7 +164,7 @@ def ttfa_rows(
              "tokens": len(utt.backend_state.t2w.tokens) if utt.backend_state.t2w else 0}
         )  # fmt: skip
         backend.release(utt)
-    return rows, voice_prep_s
+    return rows, voice_prep_s, backend.captured_counts()
 
 
 def main() -> None:
@@ -193,15 +195,18 @@ def main() -> None:
               f"estimator GFLOP ratio (exact attention's floor) = {floor:.2f}")  # fmt: skip
 
     schedule = ChunkSchedule(first_hop_tokens=args.first_hop, grid_tokens=args.grid or None)
-    rows, voice_prep_s = ttfa_rows(
+    rows, voice_prep_s, captured = ttfa_rows(
         model, args.runs, args.device, args.ttfa_prompt_tokens, schedule, args.cuda_graphs
     )
+    if captured:
+        print(f"captured stages (replays / eager / captures): {captured}")
     print(table(rows, list(rows[0])))
     print(f"voice preparation (flow prompt state + LLM prefix, once per voice): {1e3 * voice_prep_s:.0f} ms")
     ttfa = summary([float(r["ttfa_ms"]) for r in rows])  # type: ignore[arg-type]
     print(f"ttfa_ms p50 {ttfa['p50']:.0f}, p95 {ttfa['p95']:.0f}")
     record = {"args": vars(args), "flow_chunks": flow_rows, "flat_ratio": flat, "gflop_ratio": floor,
-              "ttfa": rows, "ttfa_summary_ms": ttfa, "voice_prep_ms": 1e3 * voice_prep_s}  # fmt: skip
+              "ttfa": rows, "ttfa_summary_ms": ttfa, "voice_prep_ms": 1e3 * voice_prep_s,
+              "captured": captured}  # fmt: skip
     part = (
         f"prompt{args.prompt_tokens}" if flow_rows else f"ttfa_p{args.ttfa_prompt_tokens}_hop{args.first_hop}"
     )

@@ -127,6 +127,10 @@ class EngineConfig:
     accel_dir: str = ""
     text_workers: int = 1  # CosyVoice text normalisation processes (0 = on the engine thread)
     bistream_unit: str = "word"  # CosyVoice text deltas enter the LLM per completed word | sentence
+    max_streaming: int = (
+        0  # CosyVoice utterances holding flow contexts at once (0 = auto: GPU memory; CPU: any)
+    )
+    streaming_context_s: float = 30.0  # speech (prompt included) an auto max_streaming gives each room for
 
     @property
     def model_name(self) -> str:
@@ -160,6 +164,8 @@ class EngineConfig:
         _check(1 <= self.max_batch <= 256, "engine.max_batch", "must be 1..256")
         _check(0 <= self.text_workers <= 16, "engine.text_workers", "must be 0..16")
         _check(self.bistream_unit in ("word", "sentence"), "engine.bistream_unit", "must be word | sentence")
+        _check(0 <= self.max_streaming <= 4096, "engine.max_streaming", "must be 0 (auto) or 1..4096")
+        _check(1.0 <= self.streaming_context_s <= 600.0, "engine.streaming_context_s", "must be 1..600 s")
         _check(
             self.estimator in ("torch", "onnx", "tensorrt"),
             "engine.estimator",

@@ -122,6 +122,8 @@ class BackendOptions:
     prep_chars: int = DEFAULT_CHUNK_CHARS  # one text preparation job at most, in characters
     bistream_unit: str = "word"  # text deltas reach the LLM per completed word | sentence
     max_step_ms: float = 0.0  # an engine unit's CPU time at most ([engine] max_step_ms; 0 = unbounded)
+    max_streaming: int = 0  # utterances holding flow contexts at once ([engine] max_streaming; 0 = auto)
+    streaming_context_s: float = 30.0  # speech an auto `max_streaming` gives each utterance room for
     step_clock: Clock = time.thread_time  # what `max_step_ms` is measured with (tests inject one)
 
 
@@ -162,6 +164,9 @@ class CosyVoice2Backend:
         # bit-for-bit stream) otherwise
         self._hift_draws_device = model.device if self.options.cuda_graphs else torch.device("cpu")
         self._active: dict[str, Utterance[Cv2State]] = {}  # diagnostics only (leak checks); never scheduled
+        # memory admission: the utterances that may hold flow contexts now, and how many may (None: any)
+        self._streaming: set[str] = set()
+        self.streaming_cap: int | None = self.options.max_streaming or None
         self.stats = {
             "chunks": 0, "batches": 0, "batched_chunks": 0, "batch_fallbacks": 0,
             "decode_batches": 0, "decode_rows": 0, "vocode_batches": 0,
@@ -270,7 +275,13 @@ class CosyVoice2Backend:
             finally:
                 t2w.release()
         logger.info("%s warmed up in %.0f ms", self.name, 1000 * (time.perf_counter() - started))
-        log_context_headroom(self.model.device, per_s)
+        free = log_context_headroom(self.model.device, per_s)
+        if not self.options.max_streaming and free is not None:
+            self.streaming_cap = streaming_cap(free, per_s, self.options.streaming_context_s)
+            logger.info(
+                "memory admission: %d utterances stream at once (%.0f s of speech each); more wait",
+                self.streaming_cap, self.options.streaming_context_s,
+            )  # fmt: skip
         if self.captured is not None:
             self.captured.log_summary()
 
@@ -307,7 +318,25 @@ class CosyVoice2Backend:
 
     def plan(self, utt: Utterance[Cv2State], now_s: float) -> Work | None:
         st = utt.backend_state
-        return st.plan(utt) if st is not None else None
+        work = st.plan(utt) if st is not None else None
+        return work if work is None or self._admitted(utt) else None
+
+    def _admitted(self, utt: Utterance[Cv2State]) -> bool:
+        """Memory admission: an utterance holds flow contexts (every Euler step's K/V of every frame)
+        from its first unit until it is released; while `streaming_cap` utterances do, another waits
+        (planned again when one is released) instead of running the device out of memory."""
+        uid = utt.utterance_id
+        if uid in self._streaming:
+            return True
+        if self.streaming_cap is not None and len(self._streaming) >= self.streaming_cap:
+            return False
+        self._streaming.add(uid)
+        return True
+
+    @property
+    def streaming(self) -> int:
+        """Utterances admitted now (holding or about to hold flow contexts)."""
+        return len(self._streaming)
 
     def wake_at(self, utt: Utterance[Cv2State]) -> float | None:
         return None  # only new text (a command) or our own progress makes work
@@ -343,6 +372,9 @@ class CosyVoice2Backend:
         if utt.backend_state is not None:
             utt.backend_state.release()
         utt.backend_state = None
+        if utt.utterance_id in self._streaming:
+            self._streaming.discard(utt.utterance_id)
+            self._wake()  # an utterance waiting for admission may start now
 
     def captured_counts(self) -> dict[str, dict[str, int]]:
         """The captured stages' counts (/metrics): decode graphs, flow and vocoder steps."""
@@ -910,17 +942,29 @@ def context_bytes_per_s(state: FlowStreamState | None) -> float:
     return state.cache_bytes() / state.frames * MEL_FRAMES_PER_S
 
 
-def log_context_headroom(device: torch.device, per_s: float) -> None:
+ADMISSION_HEADROOM = 0.15  # of the memory free after warm-up, kept for activations and allocator slack
+
+
+def streaming_cap(free_bytes: float, per_s: float, context_s: float) -> int:
+    """How many utterances may hold flow contexts at once: the memory free after warm-up, less
+    `ADMISSION_HEADROOM`, over `context_s` seconds of speech each (at least 1). Pure."""
+    if per_s <= 0 or context_s <= 0:
+        raise ValueError("streaming_cap needs positive bytes per second and seconds per utterance")
+    return max(1, int(free_bytes * (1.0 - ADMISSION_HEADROOM) / (per_s * context_s)))
+
+
+def log_context_headroom(device: torch.device, per_s: float) -> int | None:
     """On a GPU, how much speech can be in flight at once: the flow contexts, not compute, bound how
-    many utterances stream together (an out-of-memory fails the batch that meets it)."""
+    many utterances stream together. The free bytes (None off a GPU)."""
     if device.type != "cuda" or per_s <= 0:
-        return
+        return None
     free, _ = torch.cuda.mem_get_info(device)
     logger.info(
         "flow context: %.1f MB per second of speech per utterance; %.1f GB free after warm-up: about %.0f s "
         "of speech in flight at once (%d utterances of 10 s)",
         per_s / 2**20, free / 2**30, free / per_s, int(free / per_s / 10),
     )  # fmt: skip
+    return int(free)
 
 
 def _flow_state(job: Cv2Job, t2w: Token2WavStream) -> FlowStreamState:
@@ -988,6 +1032,8 @@ def backend_options(config: Config) -> BackendOptions:
         text_workers=engine.text_workers,
         bistream_unit=engine.bistream_unit,
         max_step_ms=engine.max_step_ms,
+        max_streaming=engine.max_streaming,
+        streaming_context_s=engine.streaming_context_s,
     )
 
 

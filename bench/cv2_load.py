@@ -172,6 +172,8 @@ def main() -> None:
         max_segment_tokens=args.max_tokens,
         cuda_graphs=args.cuda_graphs,
         graph_rows=max(args.concurrency),
+        # memory admission sized for these utterances: --max-tokens of speech on a prompt of <= 5 s
+        streaming_context_s=args.max_tokens / 25 + 5.0,
     )
     streamer = ThreadedSpeechLlm(model.llm) if args.llm == "thread" else None
     if args.version == 3:

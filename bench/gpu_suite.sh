@@ -47,6 +47,13 @@
 #                    `bench.cv3_stream` (incremental vs re-run per chunk), `bench.cv2_load --version 3`
 #                    1/8/16 then 32/64, `bench.peer_official --version 3` float32 (the official
 #                    `CosyVoice3Model` loop); MODEL_DIR default .models/cv3_full (cpu: .models/cv3_tiny_suite)
+#
+# Measured on an H100 (2026-11-27): a call's start ~30 s; model_dir 16-18 s; pytest_gpu > 90 s (13 tests);
+# cv2_stream 25 s; cv2_load 1/16/32 82 s; each official process 25-30 s before its first chunk
+# (peer_bfloat16 at 250 tokens, 2 runs, no floor: 53 s). A 15-minute lease fits two calls, e.g.
+#   STEPS="model_dir pytest_gpu cv2_stream flow_probe cv2_load" LEVELS_SMALL="1 8 16 32" DEADLINE_S=330
+#   then STEPS="model_dir peer_float32 peer_bfloat16" PEER_TOKENS="250 750" PEER_RUNS=1 and SUITE=v3
+#   STEPS="model_dir cv3_load cv3_stream peer_v3 flow_probe_v3" PEER_FLOOR=0 in the same second call.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
@@ -116,7 +123,7 @@ else
     PEER_T=(${PEER_TOKENS:-250 750}) PEER_R=${PEER_RUNS:-2}
     PEER_FP32=(--device cuda --dtype float32 --tokens "${PEER_T[@]}" --runs "$PEER_R")
     PEER_HALF=(--device cuda --dtype bfloat16 --tokens "${PEER_T[@]}" --runs "$PEER_R" --no-official-floor --cuda-graphs)
-    T_DIR=60 T_TEST=90 T_STREAM=50 T_PROBE=70 T_LOAD=110 T_PEER32=130 T_PEER16=110 T_LOAD_LARGE=240
+    T_DIR=60 T_TEST=150 T_STREAM=50 T_PROBE=70 T_LOAD=110 T_PEER32=130 T_PEER16=110 T_LOAD_LARGE=240
 fi
 # shellcheck disable=SC2206  # space-separated lists from the environment
 [ -n "$LEVELS_SMALL_ENV" ] && LEVELS_SMALL=($LEVELS_SMALL_ENV)

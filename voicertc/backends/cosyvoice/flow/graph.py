@@ -168,7 +168,7 @@ def pack_caches(
     padded = max(1, keys, *starts)  # at least one (hidden) key: no zero-sized graph inputs
     for p in packed:
         p.reserve(padded)
-    kv_views = [p.kv[:, :, :, :, :padded] for p in packed]  # past each group's frames: finite, hidden
+    kv_views = [p.context(padded) for p in packed]  # past each group's frames: finite, hidden
     kv = kv_views[0] if len(packed) == 1 else torch.cat(kv_views, dim=2)
     conv = packed[0].conv if len(packed) == 1 else torch.cat([p.conv for p in packed], dim=0)
     if bias is None:  # (a caller may pass the bias it made for the same call: every Euler step shares it)

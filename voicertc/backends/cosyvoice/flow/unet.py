@@ -42,60 +42,97 @@ class _KVBuffer:
 class PackedCache:
     """A row group's whole context as two tensors, the form graph runners read and write
     (`flow.graph`): every conv's tail side by side [rows, C_sum, k-1] and every attention's K/V
-    [A, 2, rows, heads, capacity, head_dim] (frames [0, frames) filled). One copy per call packs a
-    group, one copy stores its new frames: no per-layer work on the host.
+    [A, 2, rows, heads, frames, head_dim]: a read-only `prefix` (frames [0, P), or none) and the view's
+    own frames [P, frames) in `kv` (at [0, frames - P), with spare room). One op per call packs a group,
+    one copy stores its new frames: no per-layer work on the host.
 
-    Append-only sharing: `share` hands out a view of the same tensor. Frames [0, frames) of a view
-    never change, so a view may append in place only while it is the tensor's writer (or no one has
-    written past its frames yet); any other view copies its frames into a tensor of its own first. So
-    a batch member's state saved for a retry costs nothing, and every utterance sharing a voice's prompt
-    context copies it once, at its first chunk. The room grows by a quarter (at least `GROW_FRAMES`):
-    on a GPU this memory bounds how many utterances stream at once."""
+    Append-only sharing: `share` hands out a view of the same tensors. Frames a view holds never change,
+    so a view may append in place only while it is its tensor's writer (or no one has written past its
+    frames yet); another view keeps what it holds as its read-only prefix (a view, never copied) and
+    appends to a tensor of its own. So a batch member's state saved for a retry costs nothing, and the
+    utterances sharing a voice's prompt context read it where it is: on a GPU a 3 s prompt's context is
+    ~345 MB per utterance in bf16, and this memory bounds how many utterances stream at once. The own
+    room grows by a quarter (at least `GROW_FRAMES`)."""
 
     conv: Tensor
     kv: Tensor
-    frames: int
+    frames: int  # every frame: prefix and own
     conv_slots: tuple[tuple[int, int], ...]  # conv slot -> (channel offset, channels) in `conv`
     buffer: _KVBuffer = field(default_factory=_KVBuffer)
+    prefix: Tensor | None = None  # [A, 2, rows, H, P, Dh]: frames [0, P), read-only
 
     def __post_init__(self) -> None:
-        self.buffer.frames = max(self.buffer.frames, self.frames)
+        self.buffer.frames = max(self.buffer.frames, self.own_frames)
+
+    @property
+    def prefix_frames(self) -> int:
+        return 0 if self.prefix is None else self.prefix.shape[4]
+
+    @property
+    def own_frames(self) -> int:
+        return self.frames - self.prefix_frames
 
     def _writable(self) -> bool:
         buffer = self.buffer
-        return buffer.writer is self or (buffer.writer is None and buffer.frames == self.frames)
+        return buffer.writer is self or (buffer.writer is None and buffer.frames == self.own_frames)
 
     def reserve(self, frames: int) -> None:
-        """Room for `frames` K/V frames at least, in a tensor this view may append to."""
-        writable = self._writable()
-        if frames <= self.kv.shape[4] and writable:
+        """Room for `frames` frames in all (prefix included), in a tensor this view may append to."""
+        if self._writable():
+            if frames - self.prefix_frames > self.kv.shape[4]:
+                self._move(frames - self.prefix_frames)
             self.buffer.writer = self
             return
+        if self.prefix is None:  # what this view holds stays where it is, as its read-only prefix
+            self.prefix = self.kv[:, :, :, :, : self.frames] if self.frames else None
+            self.kv = self.kv.new_zeros(*self.kv.shape[:4], _room(frames - self.frames, 0), self.kv.shape[5])
+            self.buffer = _KVBuffer()
+            self.buffer.writer = self
+            return
+        self._move(frames - self.prefix_frames)
+
+    def _move(self, own_needed: int) -> None:
+        """Own frames into a tensor of this view's own with room for `own_needed` (one copy)."""
         capacity = self.kv.shape[4]
-        if frames > capacity:
-            capacity = max(frames, capacity + capacity // 4)
-            capacity = -(-capacity // GROW_FRAMES) * GROW_FRAMES
+        if own_needed > capacity:
+            capacity = _room(own_needed, capacity)
+        own = self.own_frames
         grown = self.kv.new_zeros(*self.kv.shape[:4], capacity, self.kv.shape[5])
-        grown[:, :, :, :, : self.frames] = self.kv[:, :, :, :, : self.frames]
+        grown[:, :, :, :, :own] = self.kv[:, :, :, :, :own]
         self.kv, self.buffer = grown, _KVBuffer()
-        self.buffer.frames, self.buffer.writer = self.frames, self
+        self.buffer.frames, self.buffer.writer = own, self
 
     def store(self, conv: Tensor, kv_new: Tensor) -> None:
         """The call's new conv tails (replaced) and K/V frames (appended), [A, 2, rows, H, T, Dh]."""
         new = kv_new.shape[4]
         self.reserve(self.frames + new)
-        self.kv[:, :, :, :, self.frames : self.frames + new] = kv_new
+        own = self.own_frames
+        self.kv[:, :, :, :, own : own + new] = kv_new
         self.conv = conv
         self.frames += new
-        self.buffer.frames = self.frames
+        self.buffer.frames = self.own_frames
+
+    def context(self, frames: int) -> Tensor:
+        """K/V of frames [0, frames) as one tensor [A, 2, rows, H, frames, Dh] (a view without a prefix;
+        frames past `self.frames` are whatever the room holds: callers hide them). After `reserve`."""
+        own = self.kv[:, :, :, :, : frames - self.prefix_frames]
+        return own if self.prefix is None else torch.cat([self.prefix, own], dim=4)
 
     def share(self) -> PackedCache:
         """Another view of the same context (append-only sharing, see the class)."""
-        return PackedCache(self.conv, self.kv, self.frames, self.conv_slots, self.buffer)
+        return PackedCache(self.conv, self.kv, self.frames, self.conv_slots, self.buffer, self.prefix)
 
     def nbytes(self) -> int:
-        filled = self.kv.numel() // self.kv.shape[4] * self.frames
+        """Bytes of conv tails and own K/V frames (a prefix is counted where it is owned)."""
+        filled = self.kv.numel() // self.kv.shape[4] * self.own_frames
         return self.conv.numel() * self.conv.element_size() + filled * self.kv.element_size()
+
+
+def _room(needed: int, capacity: int) -> int:
+    """Own K/V room for `needed` frames, grown from `capacity` by a quarter at least, in steps of
+    `GROW_FRAMES`."""
+    room = max(needed, capacity + capacity // 4, 1)
+    return -(-room // GROW_FRAMES) * GROW_FRAMES
 
 
 @dataclass
@@ -132,9 +169,13 @@ class EstimatorCache:
         self.packed = None
         for slot, (offset, channels) in enumerate(packed.conv_slots):
             self.conv_tails[slot] = packed.conv[:, offset : offset + channels]
+        own = packed.own_frames
         for slot in range(packed.kv.shape[0]):
             kv = KVCache(reserve_frames=self.reserve_frames)
-            kv.append(packed.kv[slot, 0, :, :, : packed.frames], packed.kv[slot, 1, :, :, : packed.frames])
+            if packed.prefix is not None:  # read in place, as `KVCache.fork` does
+                kv.prefix_keys, kv.prefix_values = packed.prefix[slot, 0], packed.prefix[slot, 1]
+            if own:
+                kv.append(packed.kv[slot, 0, :, :, :own], packed.kv[slot, 1, :, :, :own])
             self.attention[slot] = kv
 
 

@@ -959,6 +959,7 @@ def log_context_headroom(device: torch.device, per_s: float) -> int | None:
     if device.type != "cuda" or per_s <= 0:
         return None
     free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # the allocator's spare
     logger.info(
         "flow context: %.1f MB per second of speech per utterance; %.1f GB free after warm-up: about %.0f s "
         "of speech in flight at once (%d utterances of 10 s)",

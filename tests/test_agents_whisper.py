@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import re
 import threading
 from collections.abc import Iterator
 
@@ -24,7 +25,11 @@ pytestmark = pytest.mark.slow
 
 SENTENCE = "Hello, this is a real-time voice test. The quick brown fox jumps over the lazy dog."
 DELTAS = ["Hello, this is a real-", "time voice test. The quick brown fox ", "jumps over the lazy dog."]
-MAX_WER = 0.2
+# Piper draws its noise afresh each synthesis, so Whisper tiny's hearing of the same text varies: 1-2
+# word errors of 17 typically, 4 seen once under load. The bound allows 5; a dropped delta or clause
+# is caught by its marker word, each heard in every run so far, in order.
+MAX_WER = 0.3
+MARKERS = ["hello", "fox", "lazy"]
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +79,9 @@ def heard(whisper, pcm: bytes, rate_hz: int) -> str:
 def assert_heard(whisper, pcm: bytes, rate_hz: int) -> None:
     text = heard(whisper, pcm, rate_hz)
     assert wer(SENTENCE, text) <= MAX_WER, f"heard {text!r}"
+    words = re.findall(r"[a-z']+", text.lower())
+    at = [words.index(m) if m in words else -1 for m in MARKERS]
+    assert -1 not in at and at == sorted(at), f"heard {text!r}: {MARKERS} not all heard in order"
 
 
 async def test_openai_sdk_pcm_and_mp3(piper_url, whisper):

@@ -135,8 +135,8 @@ class StaticSteps:
         self,
         name: str,
         fn: Callable[..., Outputs],
-        in_row_dims: Sequence[int],
-        out_row_dims: Sequence[int],
+        in_row_dims: Sequence[int] | int,
+        out_row_dims: Sequence[int] | int,
         *,
         capture: Capture = run_eagerly,
         budget: GraphBudget | None = None,
@@ -144,8 +144,9 @@ class StaticSteps:
     ) -> None:
         self.name = name
         self.fn = fn
-        self.in_row_dims = tuple(in_row_dims)
-        self.out_row_dims = tuple(out_row_dims)
+        # each input's / output's row dimension (one int: the same for all, however many there are)
+        self.in_row_dims = in_row_dims if isinstance(in_row_dims, int) else tuple(in_row_dims)
+        self.out_row_dims = out_row_dims if isinstance(out_row_dims, int) else tuple(out_row_dims)
         self.capture = capture
         self.budget = budget or GraphBudget(limit_bytes=2**31)
         self.pool_factor = pool_factor  # static inputs + a share of the stage's one graph pool
@@ -160,13 +161,16 @@ class StaticSteps:
         # instead of every bucket's outputs held in the pool for the life of its graph
         self._out_buffers: dict[tuple[int, tuple[int, ...], torch.dtype], Tensor] = {}
 
-    def run(self, padded_rows: int, inputs: Sequence[Tensor]) -> Outputs | None:
-        """The step's outputs for `inputs` (their real rows), or None: not captured (run it eagerly)."""
+    def run(self, padded_rows: int, inputs: Sequence[Tensor], branch: Hashable = None) -> Outputs | None:
+        """The step's outputs for `inputs` (their real rows), or None: not captured (run it eagerly).
+        `branch`: what else picks the step's kernels besides the input shapes (a bucket per value)."""
         if self.stats.failed is not None:
             self.stats.eager += 1
             return None
-        rows = inputs[0].shape[self.in_row_dims[0]]
-        key = (padded_rows, *(_shape_without(x, d) for x, d in zip(inputs, self.in_row_dims, strict=True)))
+        in_dims = _dims(self.in_row_dims, len(inputs))
+        rows = inputs[0].shape[in_dims[0]]
+        shapes = (_shape_without(x, d) for x, d in zip(inputs, in_dims, strict=True))
+        key = (padded_rows, *shapes) if branch is None else (padded_rows, branch, *shapes)
         bucket = self._buckets.get(key) or self._make(key, padded_rows, inputs)
         if bucket is None:
             self.stats.eager += 1
@@ -175,9 +179,8 @@ class StaticSteps:
         outputs = bucket.replay()
         self.stats.replays += 1
         self.stats.by_shape[key] = self.stats.by_shape.get(key, 0) + 1
-        return tuple(
-            out.narrow(dim, 0, rows).clone() for out, dim in zip(outputs, self.out_row_dims, strict=True)
-        )
+        out_dims = _dims(self.out_row_dims, len(outputs))
+        return tuple(out.narrow(dim, 0, rows).clone() for out, dim in zip(outputs, out_dims, strict=True))
 
     def _view(
         self, position: int, shape: list[int], like: Tensor, buffers: dict | None = None
@@ -192,7 +195,7 @@ class StaticSteps:
 
     def _load(self, static: Sequence[Tensor], inputs: Sequence[Tensor], rows: int, padded_rows: int) -> None:
         """The call's inputs into a bucket's static buffers, pad rows zeroed."""
-        for buffer, value, dim in zip(static, inputs, self.in_row_dims, strict=True):
+        for buffer, value, dim in zip(static, inputs, _dims(self.in_row_dims, len(inputs)), strict=True):
             buffer.narrow(dim, 0, rows).copy_(value)
             if rows < padded_rows:
                 buffer.narrow(dim, rows, padded_rows - rows).zero_()
@@ -200,7 +203,8 @@ class StaticSteps:
     def _make(self, key: Hashable, padded_rows: int, like: Sequence[Tensor]) -> _Bucket | None:
         held: list[Tensor | None] = []
         missing: list[tuple[int, list[int], Tensor]] = []  # (position, shape, like): buffers to make
-        for i, (value, dim) in enumerate(zip(like, self.in_row_dims, strict=True)):
+        in_dims = _dims(self.in_row_dims, len(like))
+        for i, (value, dim) in enumerate(zip(like, in_dims, strict=True)):
             shape = list(value.shape)
             shape[dim] = padded_rows
             buffer = self._view(i, shape, value)
@@ -216,7 +220,7 @@ class StaticSteps:
         static = [buffer for buffer in held if buffer is not None]
         # capture on this call's inputs: a shared buffer may hold another bucket's (e.g. indices past
         # this bucket's frames), and the warm-up runs of a capture compute on them
-        self._load(static, like, like[0].shape[self.in_row_dims[0]], padded_rows)
+        self._load(static, like, like[0].shape[in_dims[0]], padded_rows)
         started = time.perf_counter()
         try:
             outputs, out_bytes = self._static_outputs(self.fn(*static))  # one eager run: their shapes
@@ -256,6 +260,10 @@ class StaticSteps:
                 allocated += buffer.numel() * buffer.element_size()
             outputs.append(buffer)
         return tuple(outputs), allocated
+
+
+def _dims(dims: tuple[int, ...] | int, count: int) -> tuple[int, ...]:
+    return (dims,) * count if isinstance(dims, int) else dims
 
 
 def _shape_without(x: Tensor, dim: int) -> tuple[int, ...]:

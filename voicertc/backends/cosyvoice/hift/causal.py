@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,6 +248,8 @@ class CausalHiFTGenerator(nn.Module):
         self.f0_predictor = CausalF0Predictor(c.in_channels, c.f0_cond_channels)
         window = torch.hann_window(c.istft_n_fft, periodic=True, dtype=torch.float64).float()
         self.register_buffer("stft_window", window, persistent=False)
+        # `[engine] cuda_graphs`: the synthesis after the excitation as captured steps (`captured_causal`)
+        self.synthesis_runner: Callable[[Tensor, Tensor, HiftStreamState], Tensor] | None = None
         for slot, module in enumerate(m for m in self.modules() if isinstance(m, StreamConv1d)):
             module.slot = slot
 
@@ -326,6 +328,20 @@ class CausalHiFTGenerator(nn.Module):
         mel = mel.float()
         excitation = self._excitation(mel, state, source, sources)  # the f0 predictor runs in float64
         yield
+        if self.synthesis_runner is not None:  # the captured step (`hift.captured_causal`)
+            out = self.synthesis_runner(mel, excitation, state)
+        else:
+            out = yield from self.synthesis_parts(mel, excitation, state)
+        return out, excitation
+
+    def synthesis_parts(
+        self, mel: Tensor, excitation: Tensor, state: HiftStreamState
+    ) -> Generator[None, None, Tensor]:
+        """Everything after the excitation, in parts (the STFT and `conv_pre`; each upsampling stage;
+        then `conv_post`, the iSTFT and the hold-back): mel [B, 80, n] float32 and the new excitation
+        [B, 1, S] -> the samples ready now [B, N], clamped. `state.final` and the counters of the call
+        are set already. Its shapes and branches depend on the stream's phase alone, not on absolute
+        positions (`hift.captured_causal.synthesis_key`)."""
         stft = self._stft(excitation, state)
         x = self.conv_pre(mel, state)
         yield
@@ -336,6 +352,7 @@ class CausalHiFTGenerator(nn.Module):
         if state.pcm is not None:
             pcm = torch.cat([state.pcm, pcm], dim=1)
         spf = self.config.samples_per_frame
+        final = state.final
         target = state.mel_frames * spf if final else max(state.mel_frames - HELD_BACK_FRAMES, 0) * spf
         ready = target - state.emitted
         out, state.pcm = pcm[:, :ready], pcm[:, ready:]
@@ -343,7 +360,7 @@ class CausalHiFTGenerator(nn.Module):
         if final:
             state.finished = True
             state.tails, state.pending, state.pcm = {}, {}, None
-        return out.clamp(-self.config.audio_limit, self.config.audio_limit), excitation
+        return out.clamp(-self.config.audio_limit, self.config.audio_limit)
 
     def _excitation(
         self, mel: Tensor, state: HiftStreamState, source: Tensor | None, sources: list[SourceState]

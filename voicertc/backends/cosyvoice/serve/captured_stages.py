@@ -3,7 +3,8 @@ loaded model, under one memory budget, and report what they did (start-up log, /
 
 Runs on the engine thread (the backend's constructor, which runs there). The LLM decode has its own
 graphs (`llm.graphs.DecodeGraphs`). CosyVoice3's DiT estimator takes the same captured path as
-CosyVoice2's UNet (one mechanism, two estimators); its causal HiFT is not captured yet.
+CosyVoice2's UNet (one mechanism, two estimators); its causal HiFT's synthesis takes the same
+`StaticSteps`, one bucket per stream phase (`hift.captured_causal`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from voicertc.backends.cosyvoice.flow.dit import DiT
 from voicertc.backends.cosyvoice.flow.graph import StreamingEstimator
 from voicertc.backends.cosyvoice.flow.unet import CausalConditionalDecoder
 from voicertc.backends.cosyvoice.hift.captured import CapturedHiftDecode
+from voicertc.backends.cosyvoice.hift.captured_causal import CapturedCausalHift
+from voicertc.backends.cosyvoice.hift.causal import CausalHiFTGenerator
 from voicertc.backends.cosyvoice.hift.generator import HiFTGenerator
 from voicertc.backends.cosyvoice.hift.stream import MEL_CACHE_FRAMES
 from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model
@@ -28,6 +31,7 @@ from voicertc.engine.schedule import ChunkSchedule
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_BUDGET_MB = 2048.0
+WARM_CHUNKS = 6  # v3's causal HiFT: the first chunks' phases captured at start (later ones repeat them)
 
 
 @dataclass
@@ -36,7 +40,7 @@ class CapturedStages:
 
     budget: GraphBudget
     flow: CapturedEstimator | None
-    hift: CapturedHiftDecode | None
+    hift: CapturedHiftDecode | CapturedCausalHift | None
 
     def stats(self) -> dict[str, StageStats]:
         stages = {"flow": self.flow, "vocoder": self.hift}
@@ -52,10 +56,14 @@ class CapturedStages:
             b = self.flow.buckets
             like = torch.zeros(1, device=device, dtype=dtype)
             flow_n = self.flow.warm(b.rows_list(), list(b.frame_buckets), b.keys_list(warm_keys), like)
-        if self.hift is not None:
+        rows = [r for r in (1, 2, 4, 8, 16, 32, 64) if r < self.hift.max_rows] if self.hift else []
+        if isinstance(self.hift, CapturedCausalHift):  # v3: the phases of an utterance's first chunks
+            chunks = [2 * schedule.hop_tokens(i) for i in range(WARM_CHUNKS)]
+            hift_n = self.hift.warm(chunks, rows + [self.hift.max_rows], torch.zeros(1, device=device))
+        elif self.hift is not None:
             hops = sorted({schedule.hop_tokens(i) for i in range(8)})
             frames = [2 * schedule.first_hop_tokens] + [MEL_CACHE_FRAMES + 2 * hop for hop in hops]
-            rows = [r for r in (1, 2, 4, 8, 16, 32, 64) if r < self.hift.max_rows] + [self.hift.max_rows]
+            rows += [self.hift.max_rows]
             like = torch.zeros(1, device=device, dtype=torch.float32)
             hift_n = self.hift.warm(rows, sorted(set(frames)), like)
         logger.info(
@@ -95,10 +103,13 @@ def install_captured_steps(
             budget=budget,
         )  # fmt: skip
         decoder.estimator_runner = flow
-    hift = None
+    hift: CapturedHiftDecode | CapturedCausalHift | None = None
     if isinstance(model.hift, HiFTGenerator):
         hift = CapturedHiftDecode(model.hift, max_rows=max_utterances, capture=capture, budget=budget)
         model.hift.decode_runner = hift
+    elif isinstance(model.hift, CausalHiFTGenerator) and model.hift.synthesis_runner is None:
+        hift = CapturedCausalHift(model.hift, max_rows=max_utterances, capture=capture, budget=budget)
+        model.hift.synthesis_runner = hift
     logger.info(
         "captured steps: flow %s, vocoder %s, budget %.0f MB",
         "on" if flow else "off", "on" if hift else "off", budget.limit_bytes / 2**20,
@@ -111,3 +122,5 @@ def remove_captured_steps(model: CosyVoice2Model, stages: CapturedStages) -> Non
         model.flow.decoder.estimator_runner = None
     if stages.hift is not None and isinstance(model.hift, HiFTGenerator):
         model.hift.decode_runner = None
+    if stages.hift is not None and isinstance(model.hift, CausalHiFTGenerator):
+        model.hift.synthesis_runner = None

@@ -197,3 +197,37 @@ def test_the_warm_up_is_cosyvoice2s_with_v3s_prompt(model):
     assert CosyVoice3Backend.warm_up is CosyVoice2Backend.warm_up
     assert CosyVoice3Backend.warm_up_prompt_ids[0] == ENDOFPROMPT_ID
     _backend(model).warm_up()  # on CPU: one LLM step on the v3 layout, one flow + vocoder chunk
+
+
+def _speak_three(model, **options):
+    backend = _backend(model, max_segment_tokens=60, **options)
+    stages = backend.captured
+    engine = EngineWorker(backend, default_voice=SFT_VOICE)
+    log, sinks = EventLog(), {uid: RecordingSink() for uid in "abc"}
+    engine.start()
+    try:
+        for uid, sink in sinks.items():
+            engine.open_utterance(None, sink, log, utterance_id=uid)
+            engine.push_text(uid, TEXT, end=True)
+        log.wait_terminal(list(sinks), timeout_s=300)
+    finally:
+        engine.stop()
+    for uid in sinks:
+        assert [type(e) for e in log.of(uid)] == [FirstAudio, Done], uid
+    return backend, stages, {uid: sink.samples(uid) for uid, sink in sinks.items()}
+
+
+def test_static_shape_dit_and_causal_hift_steps_speak_as_eager(model):
+    """The path `[engine] cuda_graphs` captures on CUDA (the DiT's Euler steps and the causal HiFT's
+    synthesis), uncaptured on CPU: three utterances at once speak what the eager engine speaks."""
+    static, stages, got = _speak_three(model, static_steps=True, graph_rows=4)
+    assert model.hift.synthesis_runner is None and model.flow.decoder.estimator_runner is None  # closed
+    assert static.captured is None  # the stages came off the model with the engine
+    stats = stages.stats()
+    assert stats["vocoder"].replays > 0 and stats["flow"].replays > 0
+    assert stats["vocoder"].eager == 0 and {key[0] for key in stats["vocoder"].by_shape} <= {1, 2, 4}
+    _, _, eager = _speak_three(model)
+    for uid in "abc":
+        a, b = got[uid], eager[uid]
+        assert a.size == b.size > 0
+        np.testing.assert_allclose(a, b, atol=2e-3, rtol=0)  # row padding: float32 rounding, as batching

@@ -80,6 +80,37 @@ def test_hift_replays_equal_the_eager_decode_on_cuda(tiny_model_dir, golden_dir)
         assert (g - e).abs().max().item() <= 1e-4
 
 
+def test_causal_hift_replays_equal_the_eager_stream_on_cuda(tiny_cv3_model_dir):
+    """CosyVoice3's causal HiFT synthesis (excitation eager): 2 rows, 4 chunks, replays vs eager."""
+    from voicertc.backends.cosyvoice.hift.captured_causal import CapturedCausalHift
+    from voicertc.backends.cosyvoice.hift.causal import HiftStreamState
+    from voicertc.backends.cosyvoice.hift.causal_batch import step_batch
+    from voicertc.backends.cosyvoice3 import load as load_v3
+
+    hift = load_v3(tiny_cv3_model_dir).hift.cuda()
+    gen = torch.Generator().manual_seed(5)
+    sizes = [50, 100, 100, 40]
+    mels = [[(torch.randn(1, 80, n, generator=gen) - 4.0).cuda() for n in sizes] for _ in range(2)]
+
+    def stream() -> list[torch.Tensor]:
+        states, out = [HiftStreamState(), HiftStreamState()], []
+        for k in range(len(sizes)):
+            out += step_batch(hift, [m[k] for m in mels], states, final=k == len(sizes) - 1)
+        return out
+
+    eager = stream()
+    hift.synthesis_runner = runner = CapturedCausalHift(hift, max_rows=4, capture=CudaCapture())
+    try:
+        got, again = stream(), stream()
+    finally:
+        hift.synthesis_runner = None
+    assert runner.stats.failed is None and runner.stats.replays == 2 * len(sizes)
+    assert runner.stats.captures == 3  # 50 frames, 100 frames (twice: one phase), the final 40
+    for e, g, a in zip(eager, got, again, strict=True):
+        assert torch.equal(g, a)
+        assert (g - e).abs().max().item() <= 1e-4
+
+
 def started_captured_engine(backend: str, model_dir, voices_dir, max_batch: int):
     """An engine on CUDA in bfloat16 with every stage captured, started (warm-up done)."""
     config = Config(
@@ -139,6 +170,7 @@ def test_cosyvoice3_captures_its_buckets_before_ready_and_speaks(tmp_path):
         backend = engine.backend
         warmed = backend.captured.stats()
         assert warmed["flow"].failed is None and warmed["flow"].captures > 0
+        assert warmed["vocoder"].failed is None and warmed["vocoder"].captures > 0
         log, sink = EventLog(), RecordingSink()
         uid = engine.say(SFT_VOICE, sink, log, "Hello there, CosyVoice3 is captured too.")
         log.wait_terminal([uid], timeout_s=120)
@@ -146,5 +178,6 @@ def test_cosyvoice3_captures_its_buckets_before_ready_and_speaks(tmp_path):
         pcm = sink.samples(uid)
         assert pcm.size > 0 and np.isfinite(pcm).all()
         assert backend.captured.stats()["flow"].replays > 0
+        assert backend.captured.stats()["vocoder"].replays > 0
     finally:
         engine.stop()

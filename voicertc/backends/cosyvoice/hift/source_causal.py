@@ -13,6 +13,7 @@ with its own `SourceState` (phase sum, position in the noise).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,13 +25,17 @@ from voicertc.backends.cosyvoice.hift.source import SineParams
 
 DEFAULT_NOISE_SEED = 1986  # our own buffers (the official values depend on the RNG state at construction)
 NOISE_BLOCK_SAMPLES = 24000
+CACHED_BLOCKS = 64  # one-second blocks kept per device (~0.9 MB each): every stream reads the same ones
 
 
 class NoiseBuffers:
     """`rand_ini` [1, H] and the uniform noise [1, L, H] by absolute sample position.
 
     Injected buffers (`set`) are used as given; otherwise (and beyond an injected prefix) seeded uniform
-    blocks of one second are drawn on demand, so memory stays bounded."""
+    blocks of one second are drawn on demand and the last `CACHED_BLOCKS` kept per device, so memory
+    stays bounded. Every stream reads the buffer at its own sample position, so streams at once read the
+    same first blocks: each is drawn (on the host, the same values for every device) and copied to a
+    device once, not per call and row."""
 
     def __init__(self, harmonics: int, seed: int = DEFAULT_NOISE_SEED) -> None:
         self.harmonics = harmonics
@@ -39,7 +44,8 @@ class NoiseBuffers:
         self.rand_ini = torch.rand(1, harmonics, generator=generator)
         self.rand_ini[:, 0] = 0
         self.sine_waves: Tensor | None = None
-        self._block: tuple[int, Tensor] | None = None
+        self._blocks: OrderedDict[tuple[int, torch.device], Tensor] = OrderedDict()
+        self.drawn_blocks = 0  # blocks drawn on the host (a counter for tests and diagnostics)
 
     def set(self, rand_ini: Tensor, sine_waves: Tensor) -> None:
         if rand_ini.shape != (1, self.harmonics):
@@ -51,29 +57,40 @@ class NoiseBuffers:
         self.rand_ini = rand_ini.detach().float().cpu().clone()
         self.sine_waves = sine_waves.detach().float().cpu().contiguous()
 
-    def noise(self, start: int, end: int) -> Tensor:
-        """Noise samples [start, end) as [1, end - start, H] (CPU float32)."""
+    def noise(self, start: int, end: int, device: torch.device | None = None) -> Tensor:
+        """Noise samples [start, end) as [1, end - start, H] float32 on `device` (the host by default)."""
+        device = torch.device("cpu") if device is None else device
         if self.sine_waves is not None:
             injected = self.sine_waves.shape[1]
             if end <= injected:
-                return self.sine_waves[:, start:end]
+                return self.sine_waves[:, start:end].to(device)
             if start < injected:  # an injected prefix (the reference's is 300 s) continues with our own
-                return torch.cat([self.sine_waves[:, start:], self._generated(injected, end)], dim=1)
-        return self._generated(start, end)
+                head = self.sine_waves[:, start:].to(device)
+                return torch.cat([head, self._generated(injected, end, device)], dim=1)
+        return self._generated(start, end, device)
 
-    def _generated(self, start: int, end: int) -> Tensor:
-        parts = [
-            self._block_at(b) for b in range(start // NOISE_BLOCK_SAMPLES, -(-end // NOISE_BLOCK_SAMPLES))
-        ]
-        joined = torch.cat(parts, dim=1) if parts else torch.zeros(1, 0, self.harmonics)
-        offset = start - (start // NOISE_BLOCK_SAMPLES) * NOISE_BLOCK_SAMPLES
+    def _generated(self, start: int, end: int, device: torch.device) -> Tensor:
+        first, stop = start // NOISE_BLOCK_SAMPLES, -(-end // NOISE_BLOCK_SAMPLES)
+        parts = [self._block_at(b, device) for b in range(first, stop)]
+        joined = torch.cat(parts, dim=1) if parts else torch.zeros(1, 0, self.harmonics, device=device)
+        offset = start - first * NOISE_BLOCK_SAMPLES
         return joined[:, offset : offset + end - start]
 
-    def _block_at(self, index: int) -> Tensor:
-        if self._block is None or self._block[0] != index:
-            generator = torch.Generator().manual_seed(self.seed + 1 + index)
-            self._block = (index, torch.rand(1, NOISE_BLOCK_SAMPLES, self.harmonics, generator=generator))
-        return self._block[1]
+    def _block_at(self, index: int, device: torch.device) -> Tensor:
+        key = (index, device)
+        block = self._blocks.get(key)
+        if block is None:
+            host = self._blocks.get((index, torch.device("cpu")))
+            if host is None:
+                generator = torch.Generator().manual_seed(self.seed + 1 + index)
+                host = torch.rand(1, NOISE_BLOCK_SAMPLES, self.harmonics, generator=generator)
+                self.drawn_blocks += 1
+            block = host.to(device)
+            self._blocks[key] = block
+            while len(self._blocks) > CACHED_BLOCKS:
+                self._blocks.popitem(last=False)
+        self._blocks.move_to_end(key)
+        return block
 
 
 @dataclass
@@ -128,8 +145,9 @@ class CausalSourceModule(nn.Module):
         uv = (f0_up > p.voiced_threshold_hz).to(torch.float32)
         noise_amp = uv * p.noise_std + (1 - uv) * p.sine_amp / 3
         length = f0_up.shape[1]
-        buffers = [self.buffers_.noise(s.frames * scale, s.frames * scale + length) for s in states]
-        noise = noise_amp * torch.cat(buffers, dim=0).to(f0_up.device)
+        device = f0_up.device
+        buffers = [self.buffers_.noise(s.frames * scale, s.frames * scale + length, device) for s in states]
+        noise = noise_amp * torch.cat(buffers, dim=0)
         for state in states:
             state.frames += f0.shape[1]
         return torch.tanh(self.l_linear(sines * uv + noise)).transpose(1, 2)

@@ -11,7 +11,8 @@ torch.profiler table of the largest N (top ops by host time and by device time).
 
 `--v3`: CosyVoice3's incremental DiT flow chunk as `bench.cv3_stream` streams it (full-size random
 weights, eager fp32): one utterance's chunks 0..3 (50, 100, 200, 200 frames), each timed, and a profiler
-table of chunk 2 (a 200-frame chunk cost 1.25 s on the H100 against 0.2 s for 100 or 300 frames).
+table of chunk 2 (a 200-frame chunk cost 1.25 s on the H100 against 0.2 s for 100 or 300 frames), with
+cuDNN as is, off, and in benchmark mode (the grouped k=31 position convs' algorithm is the suspect).
 
 Writes DIR/gpu_flow_probe.json and DIR/profile_*.txt.
 """
@@ -130,7 +131,7 @@ def v2_probe(
 def v3_probe(
     args: argparse.Namespace, out: Path, record: dict[str, object], save: Callable[[], None]
 ) -> None:
-    from bench.cv3_stream import LOOKAHEAD, PROMPT_TOKENS, build  # noqa: PLC0415 - only for --v3
+    from bench.cv3_stream import PROMPT_TOKENS, build  # noqa: PLC0415 - only for --v3
 
     device = torch.device(args.device)
     flow, _ = build(args.device)
@@ -142,25 +143,44 @@ def v3_probe(
         torch.randn(1, 192, generator=g).to(device),
     )
     schedule = ChunkSchedule()
-    chunks: list[dict[str, float]] = []
-    for run in range(2):
-        state = flow.init_stream(*prompt)
-        start = 0
-        for index in range(4):
-            end = schedule.chunk_end_tokens(index, PROMPT_TOKENS)
-            new = tokens[:, start : end + LOOKAHEAD]
-            if run == 1 and index == 2:
-                _profile_table(
-                    partial(flow.stream_step, new, state.clone(), finalize=False),
-                    device,
-                    out / "profile_v3_chunk2.txt",
-                )
-            took, mel = _ms(partial(flow.stream_step, new, state, finalize=False), device)
-            chunks.append({"run": run, "chunk": index, "frames": int(mel.shape[2]), "ms": took})  # type: ignore[attr-defined]
-            logger.info("v3 chunk %d (run %d): %d frames, %.0f ms", index, run, mel.shape[2], took)  # type: ignore[attr-defined]
-            start = end
+    chunks: list[dict[str, object]] = []
+    # the 200-frame chunks cost ~1.2 s on an H100 in eager fp32 where 300-frame re-runs cost 0.2 s:
+    # the grouped k=31 position convs' cuDNN algorithm is the suspect, so each setting is timed
+    settings = {"default": {}, "cudnn_off": {"enabled": False}, "cudnn_benchmark": {"benchmark": True}}
+    for setting, flags in settings.items():
+        for run in range(2):
+            with torch.backends.cudnn.flags(**flags):
+                chunks += _v3_chunks(flow, tokens, prompt, schedule, setting, run, out, device)
+            record["v3_chunks"] = chunks
+            save()
     record["v3_chunks"] = chunks
     save()
+
+
+def _v3_chunks(
+    flow: object, tokens: torch.Tensor, prompt: tuple[torch.Tensor, ...], schedule: ChunkSchedule,
+    setting: str, run: int, out: Path, device: torch.device,
+) -> list[dict[str, object]]:  # fmt: skip
+    from bench.cv3_stream import LOOKAHEAD, PROMPT_TOKENS  # noqa: PLC0415 - only for --v3
+
+    state = flow.init_stream(*prompt)  # type: ignore[attr-defined]
+    step = flow.stream_step  # type: ignore[attr-defined]
+    start, chunks = 0, []
+    for index in range(4):
+        end = schedule.chunk_end_tokens(index, PROMPT_TOKENS)
+        new = tokens[:, start : end + LOOKAHEAD]
+        if run == 1 and index == 2:
+            _profile_table(
+                partial(step, new, state.clone(), finalize=False),
+                device,
+                out / f"profile_v3_chunk2_{setting}.txt",
+            )
+        took, mel = _ms(partial(step, new, state, finalize=False), device)
+        frames = int(mel.shape[2])  # type: ignore[attr-defined]
+        chunks.append({"setting": setting, "run": run, "chunk": index, "frames": frames, "ms": took})
+        logger.info("v3 chunk %d (%s, run %d): %d frames, %.0f ms", index, setting, run, frames, took)
+        start = end
+    return chunks
 
 
 def main() -> None:

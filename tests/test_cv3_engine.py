@@ -225,7 +225,8 @@ def test_static_shape_dit_and_causal_hift_steps_speak_as_eager(model):
     assert static.captured is None  # the stages came off the model with the engine
     stats = stages.stats()
     assert stats["vocoder"].replays > 0 and stats["flow"].replays > 0
-    assert stats["vocoder"].eager == 0 and {key[0] for key in stats["vocoder"].by_shape} <= {1, 2, 4}
+    assert stats["vocoder"].failed is None and {key[0] for key in stats["vocoder"].by_shape} <= {1, 2, 4}
+    assert 1 <= stats["vocoder"].eager <= 3  # the final chunks (one call per batch of them)
     _, _, eager = _speak_three(model)
     for uid in "abc":
         a, b = got[uid], eager[uid]

@@ -13,8 +13,9 @@ to the stream position, the start-up flags), never on absolute positions, so one
 phase, shapes) serves every later call in that phase: its inputs are the state's tensors (rows first,
 padded with zero rows up to a power of two: rows are independent), its outputs the new tensors, and
 the counters advance by the deltas the captured run made. The window envelope, one for all rows, travels
-as a row-broadcast. A call outside every bucket (more rows than `max_rows`, past the memory budget)
-runs eagerly, counted. `CapturedCausalHift` is installed as `CausalHiFTGenerator.synthesis_runner`.
+as a row-broadcast. A final chunk (its length is what the utterance had left: one of many, met once per
+utterance), a call with more rows than `max_rows` or past the memory budget runs eagerly, counted.
+`CapturedCausalHift` is installed as `CausalHiFTGenerator.synthesis_runner`.
 """
 
 from __future__ import annotations
@@ -169,8 +170,8 @@ class CapturedCausalHift:
         # mel [B, 80, n] float32, excitation [B, 1, S] -> the samples ready now [B, N]; `state` advanced
         rows = mel.shape[0]
         padded = row_bucket(rows, self.max_rows)
-        if padded is None:
-            self.steps.stats.eager += 1
+        if padded is None or state.final:  # a final chunk's length is the utterance's: one of ~100,
+            self.steps.stats.eager += 1  # met once per utterance, eager rather than a capture each
             return run_to_end(self.hift.synthesis_parts(mel, excitation, state))
         key = synthesis_key(self.hift, state)
         named = state_tensors(state)

@@ -1,6 +1,7 @@
 """`llm.kv.grouped_attention` (the slot cache's attention, one read of each kv head) equals attention over
 keys/values repeated per query head (`repeat_interleave`, what transformers' Qwen2 does), for decode
-steps and prompts, ragged masks, 1..n query heads per kv head."""
+steps and prompts, ragged masks, 1..n query heads per kv head; the mask `SlotKV` makes once per
+forward (`attention_mask`: additive, grouped) gives the bool mask's attention bit for bit."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from voicertc.backends.cosyvoice.llm.kv import grouped_attention
+from voicertc.backends.cosyvoice.llm.kv import attention_mask, grouped_attention
 
 
 @pytest.mark.parametrize(("batch", "heads", "kv_heads", "n_new", "span"), [
@@ -34,6 +35,10 @@ def test_grouped_equals_repeated_keys(batch, heads, kv_heads, n_new, span):
     got = grouped_attention(q, keys, values, mask, 0.125)
     assert got.shape == want.shape
     assert (got - want).abs().max().item() < 1e-12
+    # the mask made once per forward (additive, in the grouped layout) = the bool mask, bit for bit
+    once = attention_mask(mask, groups, torch.float64)
+    assert once.shape == (batch, 1, groups * n_new, span) and once.dtype == torch.float64
+    assert torch.equal(grouped_attention(q, keys, values, once, 0.125), got)
 
 
 def test_a_row_sees_only_its_own_keys():

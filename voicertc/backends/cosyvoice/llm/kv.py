@@ -15,6 +15,7 @@ their weights and their RMSNorm / MLP / rotary code; only the attention over the
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -211,9 +212,10 @@ class SlotKV:
         self, index: Tensor, positions: Tensor, embeds: Tensor, span: int
     ) -> tuple[Tensor, StepInputs]:
         keys = torch.arange(span, device=self.device)
-        mask = keys[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, span]
+        visible = keys[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, span]
         hidden = embeds.to(self.dtype)
         cos, sin = self.backbone.rotary_emb(hidden, positions)
+        mask = attention_mask(visible, self.heads // self.kv_heads, self.dtype)
         return hidden, StepInputs(index, positions, span, mask, cos, sin)
 
     def _decoder_layers(self) -> Sequence[Qwen2DecoderLayer]:
@@ -272,7 +274,8 @@ class SlotKV:
 @dataclass(frozen=True)
 class StepInputs:
     """What every layer of one forward shares: the rows' slots [B], their new positions [B, T], the key
-    span, the causal mask [B, 1, T, span] and the rotary angles [B, T, D]."""
+    span, the causal mask in `grouped_attention`'s layout (`attention_mask`) and the rotary angles
+    [B, T, D]."""
 
     index: Tensor
     positions: Tensor
@@ -319,12 +322,24 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
+def attention_mask(visible: Tensor, groups: int, dtype: torch.dtype) -> Tensor:
+    """The bool mask `visible` [B, 1, T, S] (True = attend) as `grouped_attention` takes it, made once
+    per forward instead of in every layer: additive (0 / -inf in `dtype`: SDPA turns a bool mask into
+    this itself, two kernels a layer) and repeated for the `groups` query heads of a kv head
+    ([B, 1, groups * T, S])."""
+    batch, _, n_new, span = visible.shape
+    additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    additive.masked_fill_(~visible, -math.inf)
+    return additive[:, :, None].expand(batch, 1, groups, n_new, span).reshape(batch, 1, groups * n_new, span)
+
+
 def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
     """Grouped-query attention without copying the keys/values per query head: q [B, heads, T, D] over
     keys/values [B, kv_heads, S, D] (query head h reads kv head h // groups, `repeat_interleave`'s
-    layout), `mask` [B, 1, T, S] -> [B, heads, T, D]. The `groups` query heads of a kv head become
-    `groups * T` query rows of one attention, so the keys are read once instead of written `groups`
-    times over (at 16 decode rows x 2048 cached positions that copy was GBs a step)."""
+    layout), `mask` [B, 1, T, S] (bool, or additive in q's dtype), or already in the grouped layout
+    [B, 1, groups * T, S] (`attention_mask`) -> [B, heads, T, D]. The `groups` query heads of a kv head
+    become `groups * T` query rows of one attention, so the keys are read once instead of written
+    `groups` times over (at 16 decode rows x 2048 cached positions that copy was GBs a step)."""
     batch, heads, n_new, dim = q.shape
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
@@ -332,6 +347,7 @@ def grouped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, sca
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     q = q.reshape(batch, kv_heads, groups * n_new, dim)
     span = mask.shape[-1]
-    mask = mask[:, :, None].expand(batch, 1, groups, n_new, span).reshape(batch, 1, groups * n_new, span)
+    if mask.shape[2] != groups * n_new:
+        mask = mask[:, :, None].expand(batch, 1, groups, n_new, span).reshape(batch, 1, groups * n_new, span)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(batch, heads, n_new, dim)

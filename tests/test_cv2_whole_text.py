@@ -35,10 +35,20 @@ WHOLE_HELLO_MS = 160.0  # 2 text tokens x 2 speech tokens x 40 ms
 
 
 class StepAfterEachCommand(queue.SimpleQueue):  # type: ignore[type-arg]
-    """Every put returns only once the engine thread has taken the command and had time for a step."""
+    """Every put from another thread returns only once the engine thread has taken the command and had
+    time for a step (the engine thread's own puts, a wake-up after a release, return at once: they
+    waited for themselves until the deadline, 5 s each)."""
+
+    consumer: int | None = None  # the engine thread (the one that gets)
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        self.consumer = threading.get_ident()
+        return super().get(block, timeout)
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
         super().put(item, block, timeout)
+        if threading.get_ident() == self.consumer:
+            return
         deadline = time.monotonic() + 5.0
         while not self.empty() and time.monotonic() < deadline:
             time.sleep(0.002)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from capture_helpers import CountingCapture
 from flow_stream_helpers import stream_golden, two_utterances
 
 from voicertc.backends.cosyvoice.accel.flow_onnx_export import example_inputs
@@ -30,23 +31,6 @@ def test_bucket_choice_is_pure_and_pads_rows_frames_and_keys_up():
     assert buckets.rows_list() == [2, 4, 8, 16]
     assert Buckets(max_rows=12).rows_list() == [2, 4, 8, 12]
     assert Buckets(max_rows=12).shape(9, 50, 1).rows == 12
-
-
-class CountingCapture:
-    """A fake capture: runs the static step eagerly, counting captures and replays."""
-
-    def __init__(self) -> None:
-        self.captured = 0
-        self.replays = 0
-
-    def __call__(self, step):
-        self.captured += 1
-
-        def replay():
-            self.replays += 1
-            return step()
-
-        return replay
 
 
 def _with_runner(flow: CausalFlow, runner, run):

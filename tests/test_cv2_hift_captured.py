@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from capture_helpers import CountingCapture
 
 from voicertc.backends.cosyvoice.accel.captured import GraphBudget, row_bucket
 from voicertc.backends.cosyvoice.hift.batch import hift_stream_step_batch
@@ -38,15 +39,6 @@ def _mels(seed: int) -> list[torch.Tensor]:
 def _stream(hift, mels, seed) -> list[torch.Tensor]:
     state, gen = init_hift_stream_state(), torch.Generator().manual_seed(seed)
     return [hift_stream_step(hift, m, state, i == len(mels) - 1, generator=gen) for i, m in enumerate(mels)]
-
-
-class CountingCapture:
-    def __init__(self) -> None:
-        self.captured = 0
-
-    def __call__(self, step):
-        self.captured += 1
-        return step
 
 
 def test_row_buckets_are_powers_of_two_up_to_the_cap():

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from capture_helpers import CountingCapture
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
@@ -40,15 +41,6 @@ def hift(cv3_model):
 @pytest.fixture(scope="module")
 def long_mel():
     return load_file(REFERENCE)["stream_mel"]
-
-
-class CountingCapture:
-    def __init__(self) -> None:
-        self.captured = 0
-
-    def __call__(self, step):
-        self.captured += 1
-        return step
 
 
 def _pieces(long_mel, start: int, sizes: list[int]) -> list[torch.Tensor]:

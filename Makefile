@@ -33,7 +33,7 @@ SERVER_TESTS := tests/test_config.py \
 	tests/test_api_bad_input.py tests/test_call_info_schema.py tests/test_speak_options.py \
 	tests/test_batch_metrics.py tests/test_step_metrics.py tests/test_stream_sink.py tests/test_readyz.py \
 	tests/test_remote_config.py tests/test_engine_commands.py tests/test_embed_voices.py \
-	tests/test_listen_config.py
+	tests/test_listen_config.py tests/test_engine_command_parts.py
 # The real-time tests that bound a latency a listener hears (browsers, barge-in, loopback calls), and
 # the Ray cluster restart under a live call (it once missed its 20 s bound beside the model phase): the
 # last phase, with nothing beside them.

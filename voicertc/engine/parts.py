@@ -10,7 +10,8 @@ so the two cannot drift apart.
 from __future__ import annotations
 
 from collections.abc import Generator
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 R = TypeVar("R")
 
@@ -25,3 +26,12 @@ def run_to_end(parts: Parts[R]) -> R:
         except StopIteration as end:
             result: R = end.value
             return result
+
+
+@dataclass(frozen=True)
+class InParts(Generic[R]):
+    """What an engine command returns when its work is longer than an engine unit may take (a voice's
+    prompt caches): the worker runs one part per loop iteration, between the batches of the calls
+    speaking meanwhile, and resolves the command's future with the parts' return value (or error)."""
+
+    parts: Parts[R]

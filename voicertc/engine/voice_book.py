@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
+from voicertc.engine.parts import InParts
 from voicertc.errors import InputError, NotSupportedError, UnknownVoiceError
 from voicertc.voice_ids import check_voice_id
 
@@ -38,8 +39,9 @@ class BackendVoiceBook(Protocol):
         `install_voice`; no engine state is touched."""
         ...
 
-    def install_voice(self, prepared: object) -> VoiceInfo:
-        """Engine thread: the prepared voice's model state, listed and persisted; its description."""
+    def install_voice(self, prepared: object) -> VoiceInfo | InParts[VoiceInfo]:
+        """Engine thread: the prepared voice's model state, listed and persisted; its description (or
+        `InParts` giving it, when the model state takes longer than an engine unit may)."""
         ...
 
     def delete_voice(self, voice_id: str) -> None: ...

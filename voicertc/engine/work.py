@@ -13,6 +13,8 @@ does them together. Units are frozen values: equal units of different utterances
   batch with the chunk's other members only;
 * `Vocode`    HiFT for the mel a `FlowChunk` produced (batched across utterances of equal `frames`); one
   that does not fit in an engine step goes on in units that name its `solve`, as a `FlowChunk`;
+* `VoicePrompt` build the utterance's voice's prompt caches (model state of the prompt: a stored voice at
+  its first use) a part at a time; units of several utterances share a batch (one build per voice);
 * `Finish`    nothing left to synthesise: the utterance is done;
 * `Synth`     one whole step of a backend that does not split its work (Piper, the fake engine).
 """
@@ -56,6 +58,11 @@ class Vocode:
 
 
 @dataclass(frozen=True)
+class VoicePrompt:
+    pass
+
+
+@dataclass(frozen=True)
 class Finish:
     pass
 
@@ -65,7 +72,7 @@ class Synth:
     pass
 
 
-Work = Frontend | Prefill | Decode | FlowChunk | Vocode | Finish | Synth
+Work = Frontend | Prefill | Decode | FlowChunk | Vocode | VoicePrompt | Finish | Synth
 
 S = TypeVar("S")
 
@@ -89,6 +96,8 @@ def batch_key(work: Work) -> tuple[object, ...] | None:
         return ("flow", work.advance_tokens, work.final, work.solve)
     if isinstance(work, Vocode):
         return ("vocode", work.frames, work.solve)
+    if isinstance(work, VoicePrompt):
+        return ("voice_prompt",)
     return None
 
 

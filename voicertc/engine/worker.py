@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from voicertc.engine.backend import (
 )
 from voicertc.engine.batch_stats import BatchStats
 from voicertc.engine.delivery import Wrote
+from voicertc.engine.parts import InParts, Parts
 from voicertc.engine.protocol import (
     DEFAULT_OPTIONS,
     AudioSink,
@@ -149,6 +151,7 @@ class EngineWorker:
         self._thread: threading.Thread | None = None
         self._commands_open = False  # the thread will still read its queue (set under _lifecycle_lock)
         self._voice_prep: ThreadPoolExecutor | None = None  # one thread: voice features off the engine
+        self._command_parts: deque[tuple[Parts[Any], Future[Any]]] = deque()  # commands in parts, in order
         self.stats = {"utterances": 0, "done": 0, "cancelled": 0, "failed": 0}
 
     # --- thread-safe API -------------------------------------------------------------------------
@@ -284,12 +287,13 @@ class EngineWorker:
         with self._count_lock:
             self._open_ids.discard(utterance_id)
 
-    def submit_command(self, fn: Callable[[Backend], T]) -> Future[T]:
+    def submit_command(self, fn: Callable[[Backend], T | InParts[T]]) -> Future[T]:
         """Run `fn(backend)` on the engine thread between steps; the future gets its result or error.
 
         For work that must own the backend's device and caches (voice registration, warm-up, a model
         swap). Commands run in submission order with the other commands; EngineStoppedError if the
-        engine is not running (or stops before the command runs).
+        engine is not running (or stops before the command runs). A command that returns `InParts`
+        goes on a part per loop iteration, between batches (its future resolves after its last part).
         """
         future: Future[T] = Future()
         with self._lifecycle_lock:
@@ -360,10 +364,11 @@ class EngineWorker:
         try:
             while running:
                 writable, jobs = self._runnable()
-                if writable or jobs:
+                if writable or jobs or self._command_parts:
                     running = self._drain(block=False)
                     if running:
                         self._iterate(writable, jobs)
+                        self._command_part()
                 else:
                     running = self._drain(block=True, timeout_s=self._idle_timeout_s())
         except Exception:
@@ -481,7 +486,31 @@ class EngineWorker:
         except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
             command.future.set_exception(exc)
         else:
-            command.future.set_result(result)
+            if isinstance(result, InParts):
+                self._command_parts.append((result.parts, command.future))
+            else:
+                command.future.set_result(result)
+
+    def _command_part(self) -> None:
+        """One part of the oldest command in parts (its future resolves after its last part)."""
+        if not self._command_parts:
+            return
+        parts, future = self._command_parts[0]
+        started = self.clock()
+        try:
+            next(parts)
+        except StopIteration as end:
+            self._command_parts.popleft()
+            future.set_result(end.value)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+            self._command_parts.popleft()
+            future.set_exception(exc)
+        part_ms = 1000.0 * (self.clock() - started)
+        if part_ms > self.step_stats.max_step_ms:
+            logger.warning(
+                "engine %s: a command part took %.0f ms (engine.max_step_ms = %.0f)",
+                self.name, part_ms, self.step_stats.max_step_ms,
+            )  # fmt: skip
 
     def _open(self, command: OpenUtterance) -> None:
         utt: Utterance[Any] = Utterance(
@@ -698,6 +727,10 @@ class EngineWorker:
                     command.on_event(Cancelled(command.utterance_id))
                 except Exception:
                     logger.exception("utterance %s: event callback failed", command.utterance_id)
+        while self._command_parts:  # commands in parts left unfinished
+            parts, future = self._command_parts.popleft()
+            parts.close()
+            future.set_exception(EngineStoppedError(f"engine {self.name} stopped"))
         for utt in list(self._utterances.values()):
             self._finish(utt, Cancelled(utt.utterance_id))
         try:

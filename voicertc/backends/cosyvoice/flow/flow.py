@@ -26,6 +26,7 @@ from voicertc.backends.cosyvoice.flow.kv import KVCache
 from voicertc.backends.cosyvoice.flow.unet import EstimatorCache
 from voicertc.backends.cosyvoice.load.checkpoint import check_layout
 from voicertc.backends.cosyvoice.load.yaml_config import load_yaml
+from voicertc.engine.parts import Parts, run_to_end
 from voicertc.errors import InputError, ModelDirError
 
 logger = logging.getLogger(__name__)
@@ -185,13 +186,27 @@ class CausalFlow(nn.Module):
     def init_stream(self, prompt_tokens: Tensor, prompt_feat: Tensor, embedding: Tensor) -> FlowStreamState:
         """State after the prompt: every complete grid chunk of the prompt whose lookahead is also in
         the prompt is computed now (once per voice; `clone()` the result per utterance)."""
+        return run_to_end(self.init_stream_parts(prompt_tokens, prompt_feat, embedding))
+
+    def init_stream_parts(
+        self, prompt_tokens: Tensor, prompt_feat: Tensor, embedding: Tensor
+    ) -> Parts[FlowStreamState]:
+        """`init_stream` in bounded parts (the encoder, then an estimator stage or Euler step each:
+        `advance_part`), so a voice's prompt never holds the engine thread for all of it. The inputs are
+        checked now (ValueError), before any part; run each part under `torch.inference_mode()`."""
         state = self._new_state(prompt_tokens, prompt_feat, embedding)
+        return self._prompt_parts(state)
+
+    def _prompt_parts(self, state: FlowStreamState) -> Parts[FlowStreamState]:
         lookahead, grid = self.cfg.pre_lookahead_tokens, self.cfg.chunk_tokens
-        ready = max(prompt_tokens.shape[1] - lookahead, 0) // grid * grid
+        prompt = state.pending_prompt
+        ready = max(prompt.shape[1] - lookahead, 0) // grid * grid
         if ready > 0:
-            prompt = state.pending_prompt
             context = prompt[:, ready : ready + lookahead]
-            self._run([_Chunk(state, prompt[:, :ready], context, 2 * ready)], chunk_masks=True)
+            solve = self._start([_Chunk(state, prompt[:, :ready], context, 2 * ready)], chunk_masks=True)
+            yield
+            while not self._advance(solve, None, parts=1):
+                yield
             state.pending_prompt = prompt[:, ready:]
         return state
 

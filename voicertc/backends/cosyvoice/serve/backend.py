@@ -81,11 +81,22 @@ from voicertc.backends.cosyvoice.voice.voices import (
 )
 from voicertc.config import Config, EngineConfig
 from voicertc.engine.backend import Backend, StepResult, SynthStep
+from voicertc.engine.parts import InParts, Parts
 from voicertc.engine.schedule import ChunkSchedule
 from voicertc.engine.text_chunks import has_speech
 from voicertc.engine.utterance import Utterance
 from voicertc.engine.voice_book import BackendVoiceBook
-from voicertc.engine.work import Decode, Finish, FlowChunk, Frontend, Job, Prefill, Vocode, Work
+from voicertc.engine.work import (
+    Decode,
+    Finish,
+    FlowChunk,
+    Frontend,
+    Job,
+    Prefill,
+    Vocode,
+    VoicePrompt,
+    Work,
+)
 from voicertc.errors import ConfigError, InputError
 
 logger = logging.getLogger(__name__)
@@ -228,11 +239,23 @@ class CosyVoice2Backend:
         prep = self.text_prep if isinstance(self.text_prep, ProcessTextPrep) else None
         return self.book.prepare(clip, transcript, voice_id, name, prep)
 
-    def install_voice(self, prepared: object) -> dict[str, object]:
-        """Engine thread (an engine command): the voice of `prepare_clip`'s features; its description."""
+    def install_voice(self, prepared: object) -> InParts[dict[str, object]]:
+        """Engine thread (an engine command in parts): the voice of `prepare_clip`'s features, its prompt
+        caches built a part at a time between the other calls' units; its description. The id and the
+        prompt are checked now, before any model work."""
         if not isinstance(prepared, VoiceFeatures):
             raise TypeError(f"not prepared voice features: {type(prepared).__name__}")
-        return self.book.install(prepared).describe()
+        return InParts(self._described(self.book.install_parts(prepared)))
+
+    def _described(self, install: Parts[Voice]) -> Parts[dict[str, object]]:
+        while True:
+            with self.lane.compute():
+                try:
+                    next(install)
+                except StopIteration as end:
+                    voice: Voice = end.value
+                    return voice.describe()
+            yield
 
     def voice_infos(self) -> list[dict[str, object]]:
         return self.book.describe()
@@ -355,6 +378,8 @@ class CosyVoice2Backend:
                 return self._run_flow(batch)
             if isinstance(work, Vocode):
                 return self._run_vocode(batch)
+            if isinstance(work, VoicePrompt):
+                return self._build_voice_prompts(batch)
             return [self._run_one(job) for job in batch]
 
     def step_alone(self, utt: Utterance[Cv2State], now_s: float) -> SynthStep | None:
@@ -406,6 +431,29 @@ class CosyVoice2Backend:
         if st is None:
             raise RuntimeError(f"utterance {job.utt.utterance_id} has no state (released)")
         return st
+
+    # ---- a voice's prompt caches at its first use ----------------------------------------------
+
+    def _build_voice_prompts(self, batch: Sequence[Cv2Job]) -> list[StepResult]:
+        """Parts of the batch's voices' prompt caches while another fits in the budget (at least one
+        each); utterances of one voice share its build, and a failed build fails them all."""
+        clock = self.budget.start()
+        errors: dict[int, BaseException] = {}
+        builds: dict[int, list[int]] = {}  # id(caches) -> the batch rows of that voice
+        for i, job in enumerate(batch):
+            builds.setdefault(id(self._state(job).voice.caches), []).append(i)
+        started = time.perf_counter()
+        for rows in builds.values():
+            caches = self._state(batch[rows[0]]).voice.caches
+            try:
+                while not caches.advance() and clock.another():
+                    pass
+            except Exception as exc:  # noqa: BLE001 - the utterances of this voice only
+                errors.update((i, exc) for i in rows)
+        share = (time.perf_counter() - started) / len(batch)
+        for job in batch:
+            job.utt.add_metric("voice_prompt_s", share)
+        return [errors.get(i, SynthStep(sample_rate_hz=SAMPLE_RATE_HZ)) for i in range(len(batch))]
 
     # ---- one-at-a-time units: frontend, segment start, the end ---------------------------------
 

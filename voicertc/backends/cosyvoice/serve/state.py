@@ -38,7 +38,7 @@ from voicertc.backends.cosyvoice.voice.text import SentenceStream
 from voicertc.backends.cosyvoice.voice.text_prep import PreparedText
 from voicertc.backends.cosyvoice.voice.voices import Voice
 from voicertc.engine.utterance import Utterance
-from voicertc.engine.work import Decode, Finish, FlowChunk, Frontend, Prefill, Vocode, Work
+from voicertc.engine.work import Decode, Finish, FlowChunk, Frontend, Prefill, Vocode, VoicePrompt, Work
 
 TextMode = Literal["whole", "deltas"]
 
@@ -229,7 +229,22 @@ class Cv2State:
     # ---- what next (pure) ---------------------------------------------------------------------
 
     def plan(self, utt: Utterance[Cv2State]) -> Work | None:
-        """The unit that makes progress now, or None when only new text (or a streamed token) can help."""
+        """The unit that makes progress now, or None when only new text (or a streamed token) can help.
+        A unit that would read the voice's prompt caches before they are built builds them first."""
+        work = self._plan(utt)
+        if not self.voice.caches.ready and self._reads_voice_caches(utt, work):
+            return VoicePrompt()
+        return work
+
+    def _reads_voice_caches(self, utt: Utterance[Cv2State], work: Work | None) -> bool:
+        """`Prefill` (the LLM prefix, a new token2wav stream) and the first deltas `Frontend` (the
+        bistream session's token2wav stream) read the voice's prompt caches."""
+        if isinstance(work, Prefill):
+            return True
+        mode = self.mode or ("whole" if utt.input_ended else "deltas")
+        return isinstance(work, Frontend) and mode == "deltas" and self.bistream is None
+
+    def _plan(self, utt: Utterance[Cv2State]) -> Work | None:
         if self.done:
             return None
         if self.vocode_solve is not None:

@@ -1,4 +1,4 @@
-"""A voice's prompt caches, built on first use and accounted in bytes.
+"""A voice's prompt caches, built on first use in bounded parts and accounted in bytes.
 
 What a CosyVoice voice costs beyond its features is model state: the flow's stream state after the
 prompt (the encoder and estimator K/V of every prompt frame: +3.1 GB for a 6.9 s clip on the full-size
@@ -6,6 +6,12 @@ model in fp32 CPU) and the LLM's K/V of [sos, transcript]. `VoiceCaches` builds 
 utterance needs them (on the engine thread), so loading N stored voices at start-up does no model work
 and holds no caches; `nbytes` is what they hold (distinct tensor storages, spare K/V room included),
 and dropping the voice drops them.
+
+Building them is seconds of model work on a CPU (the flow's ten Euler steps over every prompt frame),
+longer than an engine unit may take, so it goes in parts (`advance`: the flow encoder, then an estimator
+stage or Euler step at a time, then the LLM prefix) that the engine interleaves with the other calls'
+units: a registration (an engine command in parts) or a stored voice's first utterance (its
+`VoicePrompt` units) advance the same build, whichever comes first.
 """
 
 from __future__ import annotations
@@ -14,7 +20,10 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
+
+from voicertc.engine.parts import Parts
 
 if TYPE_CHECKING:
     from voicertc.backends.cosyvoice.flow.flow import FlowStreamState
@@ -22,36 +31,86 @@ if TYPE_CHECKING:
 
 
 class VoiceCaches:
-    """The flow state after the prompt and the LLM prefix of one voice, each built once when first read
-    (engine thread)."""
+    """The flow state after the prompt and the LLM prefix of one voice, each built once (engine thread).
+
+    `flow_parts` checks the prompt when called (before any part) and returns the flow's build as parts;
+    `build_prefix` is one part (a few dozen text positions)."""
 
     def __init__(
-        self, build_flow: Callable[[], FlowStreamState], build_prefix: Callable[[], PrefixCache]
+        self, flow_parts: Callable[[], Parts[FlowStreamState]], build_prefix: Callable[[], PrefixCache]
     ) -> None:
-        self._build_flow = build_flow
+        self._flow_parts = flow_parts
         self._build_prefix = build_prefix
         self._flow: FlowStreamState | None = None
         self._prefix: PrefixCache | None = None
+        self._building: Parts[None] | None = None  # the build in progress, shared by whoever advances it
+        self.parts_run = 0  # parts advanced so far (tests, logs)
 
     @property
     def flow_state(self) -> FlowStreamState:
-        if self._flow is None:
-            self._flow = self._build_flow()
+        self._finish()
+        assert self._flow is not None
         return self._flow
 
     @property
     def prefix(self) -> PrefixCache:
-        if self._prefix is None:
-            self._prefix = self._build_prefix()
+        self._finish()
+        assert self._prefix is not None
         return self._prefix
 
     @property
     def built(self) -> bool:
+        """Some of it is built (it holds memory)."""
         return self._flow is not None or self._prefix is not None
 
+    @property
+    def ready(self) -> bool:
+        """All of it is built: an utterance can start without model work for its voice."""
+        return self._flow is not None and self._prefix is not None
+
     def build(self) -> None:
-        """Both now (a registration: a bad prompt fails the call that registers it)."""
-        _ = self.flow_state, self.prefix
+        """All of it now, in the caller's context."""
+        self._finish()
+
+    def check(self) -> None:
+        """Check the prompt (what `flow_parts` checks before its first part) and start the build, so a
+        bad prompt fails here, before any model work."""
+        if not self.ready and self._building is None:
+            self._building = self._parts()
+
+    def advance(self) -> bool:
+        """The next part of the build (under `torch.inference_mode`); whether everything is built. A
+        part that raises abandons the build (the next call starts afresh) and raises to its caller."""
+        if self.ready:
+            return True
+        self.check()
+        assert self._building is not None
+        try:
+            with torch.inference_mode():
+                next(self._building)
+        except StopIteration:
+            self._building = None
+            return True
+        except BaseException:
+            self._building = None
+            raise
+        self.parts_run += 1
+        return False
+
+    def _finish(self) -> None:
+        while not self.advance():
+            pass
+
+    def _parts(self) -> Parts[None]:
+        flow_parts = self._flow_parts() if self._flow is None else None  # checks the prompt now
+        return self._build(flow_parts)
+
+    def _build(self, flow_parts: Parts[FlowStreamState] | None) -> Parts[None]:
+        if flow_parts is not None:
+            self._flow = yield from flow_parts
+            yield
+        if self._prefix is None:
+            self._prefix = self._build_prefix()
 
     def nbytes(self) -> int:
         """Bytes of the built caches (0 before first use)."""

@@ -42,6 +42,7 @@ from voicertc.backends.cosyvoice.voice.features import (
 from voicertc.backends.cosyvoice.voice.text import text_normalize
 from voicertc.backends.cosyvoice.voice.text_prep import TextPrep
 from voicertc.backends.cosyvoice.voice.voice_caches import VoiceCaches
+from voicertc.engine.parts import Parts, run_to_end
 from voicertc.engine.voice_book import MAX_PROMPT_S, MIN_PROMPT_S, check_prompt
 from voicertc.errors import InputError, UnknownVoiceError, VoiceExistsError, VoiceReadOnlyError
 from voicertc.voice_ids import check_voice_id, free_voice_id, voice_id_of, voice_path
@@ -142,7 +143,7 @@ def voice_from_features(
     if kind is None:
         kind = "zero_shot" if text_ids else ("sft" if tokens.shape[1] == 0 else "cross_lingual")
     caches = VoiceCaches(
-        lambda: _prompt_flow_state(model, tokens, feat, embedding),
+        lambda: _prompt_flow_parts(model, tokens, feat, embedding),
         lambda: model.llm.prefix_cache(list(text_ids)),
     )
     if not lazy:
@@ -163,11 +164,12 @@ def voice_from_features(
     )
 
 
-def _prompt_flow_state(
+def _prompt_flow_parts(
     model: CosyVoice2Model, tokens: Tensor, feat: Tensor, embedding: Tensor
-) -> FlowStreamState:
+) -> Parts[FlowStreamState]:
+    """The flow's prompt state in parts; the prompt is checked now (InputError names the problem)."""
     try:
-        return model.flow.init_stream(
+        return model.flow.init_stream_parts(
             tokens.to(model.device), feat.to(model.device), embedding.to(model.device)
         )
     except ValueError as exc:
@@ -308,9 +310,10 @@ def voice_features(
 
 
 def voice_install(
-    model: CosyVoice2Model, features: VoiceFeatures, *, source: VoiceSource = "memory"
+    model: CosyVoice2Model, features: VoiceFeatures, *, source: VoiceSource = "memory", lazy: bool = False
 ) -> Voice:
-    """The voice of `features`: the flow's prompt state and the LLM prefix (engine thread)."""
+    """The voice of `features`: the flow's prompt state and the LLM prefix (engine thread; `lazy`: built
+    later, `voice.caches.advance()` a part at a time)."""
     text_ids = features.text_ids
     if features.text_pending:
         text = text_normalize(features.transcript, model.text_frontend.encode, split=False)[0]
@@ -320,6 +323,7 @@ def voice_install(
     return voice_from_features(
         model, features.tokens, features.feat, features.embedding, text_ids, features.voice_id,
         prompt_text=features.transcript, name=features.name, source=source, created_s=time.time(),
+        lazy=lazy,
     )  # fmt: skip
 
 
@@ -495,9 +499,23 @@ class VoiceBook:
 
     def install(self, features: VoiceFeatures) -> Voice:
         """Engine thread: the voice's model state from prepared features; persisted and listed."""
+        return run_to_end(self.install_parts(features))
+
+    def install_parts(self, features: VoiceFeatures) -> Parts[Voice]:
+        """`install` in bounded parts (engine thread, each part under the device's compute context):
+        the id and the prompt are checked now (before any model work; InputError / VoiceExistsError),
+        the prompt caches are built a part at a time, and the voice is persisted and listed once they
+        are complete (only then is it visible)."""
         if features.voice_id is not None and features.voice_id in self.ids():  # registered meanwhile
             raise VoiceExistsError(f"voice {features.voice_id!r} already exists")
-        return self.add(voice_install(self.model, features))
+        voice = voice_install(self.model, features, lazy=True)
+        voice.caches.check()
+        return self._installed(voice)
+
+    def _installed(self, voice: Voice) -> Parts[Voice]:
+        while not voice.caches.advance():
+            yield
+        return self.add(voice)
 
     def register_wav(self, path: str | Path, transcript: str | None, voice_id: str | None = None) -> Voice:
         if voice_id is not None and voice_id in self.ids():

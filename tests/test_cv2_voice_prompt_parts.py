@@ -1,0 +1,200 @@
+"""A voice's prompt caches built in bounded parts, never in one engine step.
+
+The flow's state after a prompt is ten Euler steps with CFG over every prompt frame (seconds on the
+full-size model on a CPU); it used to be built in one go on the engine thread, at registration or at a
+stored voice's first use, stalling every call speaking meanwhile. Now `CausalFlow.init_stream_parts`
+builds it an encoder pass, then an estimator stage (or Euler step) at a time; a registration is an engine
+command in parts and a stored voice's first utterance builds it in `VoicePrompt` units under
+`[engine] max_step_ms`. Parts compute what the whole computation does, bit for bit.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from cv2_engine_helpers import build_speaking_model_dir, load_speaking_model, make_backend
+from engine_helpers import EventLog, RecordingSink
+from parts_helpers import one_second_clock, run_parts
+
+from voicertc.audio.decode import Clip
+from voicertc.backends.cosyvoice.flow.flow import _Chunk
+from voicertc.backends.cosyvoice.voice.voices import VoiceBook, VoiceFeatures, VoiceStore
+from voicertc.engine import Done
+from voicertc.engine.work import VoicePrompt
+from voicertc.engine.worker import EngineWorker
+from voicertc.errors import InputError
+
+TEXT = "Zebras quietly jump over seven lazy dogs."
+VOICE = "six-seconds"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir, golden_dir, tmp_path_factory):
+    torch.set_num_threads(2)
+    return load_speaking_model(
+        build_speaking_model_dir(tiny_model_dir, golden_dir, tmp_path_factory.mktemp("voice-parts"))
+    )
+
+
+def _clip(seconds: float, pitch_hz: float) -> Clip:
+    rate = 16000
+    t = np.arange(int(seconds * rate)) / rate
+    wav = 0.3 * np.sin(2 * np.pi * pitch_hz * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t))
+    return Clip(samples=wav.astype(np.float32), sample_rate_hz=rate)
+
+
+@pytest.fixture(scope="module")
+def features(model) -> VoiceFeatures:
+    return VoiceBook(model, None).prepare(_clip(6.0, 170), "A prompt of six seconds.", VOICE)
+
+
+@pytest.fixture(scope="module")
+def voices_dir(model, features, tmp_path_factory):
+    """The six-second voice on disk, as a server that ran before left it."""
+    directory = tmp_path_factory.mktemp("voices")
+    VoiceBook(model, VoiceStore(directory)).install(features)
+    return directory
+
+
+def _whole_prompt_state(flow, features):
+    """The prompt state as it was built before parts: one `_run` over the prompt's ready chunks."""
+    state = flow._new_state(features.tokens, features.feat, features.embedding)
+    lookahead, grid = flow.cfg.pre_lookahead_tokens, flow.cfg.chunk_tokens
+    prompt = state.pending_prompt
+    ready = (prompt.shape[1] - lookahead) // grid * grid
+    with torch.inference_mode():
+        flow._run([_Chunk(state, prompt[:, :ready], prompt[:, ready : ready + lookahead], 2 * ready)], True)
+    state.pending_prompt = prompt[:, ready:]
+    return state
+
+
+def test_the_prompt_state_in_parts_is_the_whole_forward_bit_for_bit(model, features):
+    flow = model.flow
+    whole = _whole_prompt_state(flow, features)
+    parted, calls = run_parts(flow.init_stream_parts(features.tokens, features.feat, features.embedding))
+    assert calls > flow.decoder.n_timesteps + 1  # the encoder, then at least a part per Euler step
+    assert whole.frames == parted.frames > 0
+    assert torch.equal(whole.pending_prompt, parted.pending_prompt)
+    speech = torch.randint(0, flow.cfg.vocab_size, (1, 28), generator=torch.Generator().manual_seed(5))
+    mels = [flow.stream_step(speech, state.clone(), finalize=False) for state in (whole, parted)]
+    assert mels[0].shape[2] > 0 and torch.equal(mels[0], mels[1])
+
+
+def test_a_bad_prompt_is_refused_before_any_part(model, features):
+    short_feat = features.feat[:, :-2]
+    with pytest.raises(ValueError, match="frames"):
+        model.flow.init_stream_parts(features.tokens, short_feat, features.embedding)  # no next() needed
+    book = VoiceBook(model, None)
+    bad = VoiceFeatures("bad-prompt", features.tokens, short_feat, features.embedding, "Bad.", (1, 2))
+    with pytest.raises(InputError, match="bad voice prompt"):
+        book.install_parts(bad)
+    assert "bad-prompt" not in book.ids()
+
+
+def test_a_registration_runs_in_parts_between_a_speaking_calls_units(model, golden_dir, tmp_path):
+    backend = make_backend(model, golden_dir, tmp_path / "voices")
+    order: list[str] = []
+    run, install_parts = backend.run, backend.book.install_parts
+
+    def recorded_run(batch, now_s):
+        order.append("unit")
+        return run(batch, now_s)
+
+    def recorded_install(prepared):
+        parts = install_parts(prepared)
+
+        def each():
+            while True:
+                order.append("part")
+                try:
+                    next(parts)
+                except StopIteration as end:
+                    return end.value
+                yield
+
+        return each()
+
+    backend.run, backend.book.install_parts = recorded_run, recorded_install
+    engine = EngineWorker(backend, name="cv2-voice-parts")
+    engine.start()
+    try:
+        log, sink = EventLog(), RecordingSink()
+        speaking = engine.open_utterance(None, sink, log)
+        engine.push_text(speaking, " ".join([TEXT] * 4), end=True)
+        while "unit" not in order:
+            time.sleep(0.01)
+        info = engine.register_voice(_clip(6.0, 170), "A prompt of six seconds.", VOICE, "").result(120)
+        assert info["id"] == VOICE and VOICE in engine.voices()
+        log.wait_terminal([speaking], 300)
+        assert isinstance(log.of(speaking)[-1], Done)
+        parts = [i for i, what in enumerate(order) if what == "part"]
+        between = order[parts[0] : parts[-1]].count("unit")
+        assert len(parts) > model.flow.decoder.n_timesteps and between > 0  # never all parts in one go
+        assert backend.book.get(VOICE).caches.ready
+        heard = engine.open_utterance(VOICE, RecordingSink(), log)  # the new voice speaks
+        engine.push_text(heard, "Hello.", end=True)
+        log.wait_terminal([heard], 300)
+        assert isinstance(log.of(heard)[-1], Done)
+    finally:
+        engine.stop()
+
+
+def _speak(backend, utterance_ids, voice=VOICE):
+    """Utterances on `voice` at once; their PCM and every unit's work."""
+    units = []
+    run = backend.run
+
+    def recorded(batch, now_s):
+        units.append([job.work for job in batch])
+        return run(batch, now_s)
+
+    backend.run = recorded
+    engine = EngineWorker(backend, name="cv2-voice-first-use")
+    log, sinks = EventLog(), {uid: RecordingSink() for uid in utterance_ids}  # a sink each: at once
+    engine.start()
+    try:
+        for uid in utterance_ids:
+            engine.open_utterance(voice, sinks[uid], log, utterance_id=uid)
+        for uid in utterance_ids:
+            engine.push_text(uid, TEXT, end=True)
+        log.wait_terminal(list(utterance_ids), timeout_s=300)
+    finally:
+        engine.stop()
+    for uid in utterance_ids:
+        assert isinstance(log.of(uid)[-1], Done), log.of(uid)[-1]
+    return [sinks[uid].samples(uid) for uid in utterance_ids], units
+
+
+def test_a_stored_voice_builds_its_prompt_in_units_and_speaks_as_one_built_whole(
+    model, golden_dir, voices_dir, features
+):
+    built = make_backend(model, golden_dir, voices_dir)
+    built.book.get(VOICE).caches.build()  # in one go, before any utterance
+    (expected,), built_units = _speak(built, ["u"])
+    assert not any(isinstance(w, VoicePrompt) for batch in built_units for w in batch)
+
+    lazy = make_backend(model, golden_dir, voices_dir, max_step_ms=1500, step_clock=one_second_clock())
+    caches = lazy.book.get(VOICE).caches
+    assert not caches.built  # loaded from disk: nothing built yet
+    (pcm,), units = _speak(lazy, ["u"])
+    prompt_units = [batch for batch in units if isinstance(batch[0], VoicePrompt)]
+    assert len(prompt_units) == caches.parts_run + 1  # one part per unit under the budget (+ the last)
+    assert caches.parts_run > model.flow.decoder.n_timesteps
+    assert expected.size > 0 and np.array_equal(pcm, expected)  # the same audio
+
+
+def test_utterances_of_one_unbuilt_voice_share_its_build(model, golden_dir, voices_dir):
+    alone = make_backend(model, golden_dir, voices_dir, max_step_ms=1500, step_clock=one_second_clock())
+    _speak(alone, ["a"])
+    parts_alone = alone.book.get(VOICE).caches.parts_run
+
+    shared = make_backend(model, golden_dir, voices_dir, max_step_ms=1500, step_clock=one_second_clock())
+    (first, second), units = _speak(shared, ["a", "b"])
+    caches = shared.book.get(VOICE).caches
+    assert caches.parts_run == parts_alone  # built once, not once per utterance
+    prompt_units = [batch for batch in units if isinstance(batch[0], VoicePrompt)]
+    assert len(prompt_units) == caches.parts_run + 1  # a unit of both advances the shared build once
+    assert first.size > 0 and second.size > 0

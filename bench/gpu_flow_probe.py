@@ -132,6 +132,7 @@ def v3_probe(
     args: argparse.Namespace, out: Path, record: dict[str, object], save: Callable[[], None]
 ) -> None:
     from bench.cv3_stream import PROMPT_TOKENS, build  # noqa: PLC0415 - only for --v3
+    from voicertc.backends.cosyvoice.flow.dit import use_matmul_convs  # noqa: PLC0415 - only for --v3
 
     device = torch.device(args.device)
     flow, _ = build(args.device)
@@ -145,14 +146,22 @@ def v3_probe(
     schedule = ChunkSchedule()
     chunks: list[dict[str, object]] = []
     # the 200-frame chunks cost ~1.2 s on an H100 in eager fp32 where 300-frame re-runs cost 0.2 s:
-    # the grouped k=31 position convs' cuDNN algorithm is the suspect, so each setting is timed
-    settings = {"default": {}, "cudnn_off": {"enabled": False}, "cudnn_benchmark": {"benchmark": True}}
+    # the grouped k=31 position convs' cuDNN algorithm is the suspect, so each setting is timed, and
+    # the convs as one batched matmul each (`use_matmul_convs`: cuBLAS, no cuDNN)
+    settings = {
+        "default": {},
+        "cudnn_off": {"enabled": False},
+        "cudnn_benchmark": {"benchmark": True},
+        "conv_matmul": {},
+    }
     for setting, flags in settings.items():
+        use_matmul_convs(flow.decoder.estimator, setting == "conv_matmul")  # type: ignore[attr-defined]
         for run in range(2):
             with torch.backends.cudnn.flags(**flags):
                 chunks += _v3_chunks(flow, tokens, prompt, schedule, setting, run, out, device)
             record["v3_chunks"] = chunks
             save()
+    use_matmul_convs(flow.decoder.estimator, False)  # type: ignore[attr-defined]
     record["v3_chunks"] = chunks
     save()
 

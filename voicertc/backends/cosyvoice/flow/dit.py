@@ -68,12 +68,48 @@ class TimestepEmbedding(nn.Module):
 
 
 class StreamConv(nn.Conv1d):
-    """Grouped conv fed with its cached (kernel-1) previous input frames instead of zero padding."""
+    """Grouped conv fed with its cached (kernel-1) previous input frames instead of zero padding.
+
+    `as_matmul` (`use_matmul_convs`) computes it as one batched matmul of the unfolded input
+    (`grouped_conv1d_as_matmul`) instead of `F.conv1d`: the same sums in another order (fp32 within
+    1e-5). On an H100 the DiT's 200-frame chunks cost ~1.2 s eager against 0.2 s for 300-frame ones,
+    and these grouped k=31 convs' cuDNN algorithm is the suspect; `bench.gpu_flow_probe --v3` times
+    both forms side by side (not yet run on a GPU: the default stays `F.conv1d`)."""
 
     slot = -1
+    as_matmul = False
 
     def forward(self, x: Tensor, batch: RowBatch) -> Tensor:  # type: ignore[override]
-        return super().forward(batch.conv_context(self.slot, x, self.kernel_size[0] - 1))
+        padded = batch.conv_context(self.slot, x, self.kernel_size[0] - 1)
+        if self.as_matmul:
+            return grouped_conv1d_as_matmul(padded, self.weight, self.bias, self.groups)
+        return super().forward(padded)
+
+
+def grouped_conv1d_as_matmul(x: Tensor, weight: Tensor, bias: Tensor | None, groups: int) -> Tensor:
+    """`F.conv1d(x, weight, bias, groups=groups)` (stride 1, no padding) as one batched matmul:
+    x [B, C, T + k - 1], weight [C_out, C / groups, k] -> [B, C_out, T]. The input's windows are a view
+    (`unfold`), gathered once into [groups, B * T, C / groups * k] and multiplied by each group's weight
+    [C / groups * k, C_out / groups] (cuBLAS, whatever T is)."""
+    batch, channels, _ = x.shape
+    out_channels, group_in, kernel = weight.shape
+    group_out = out_channels // groups
+    windows = x.unfold(2, kernel, 1)  # [B, C, T, k]
+    frames = windows.shape[2]
+    rows = windows.reshape(batch, groups, group_in, frames, kernel).permute(1, 0, 3, 2, 4)
+    rows = rows.reshape(groups, batch * frames, group_in * kernel)
+    w = weight.reshape(groups, group_out, group_in * kernel).transpose(1, 2)
+    out = torch.bmm(rows, w).reshape(groups, batch, frames, group_out).permute(1, 0, 3, 2)
+    out = out.reshape(batch, out_channels, frames)
+    return out if bias is None else out + bias[None, :, None]
+
+
+def use_matmul_convs(module: nn.Module, on: bool = True) -> int:
+    """Switch every `StreamConv` under `module` to (or back from) the matmul form; how many."""
+    convs = [m for m in module.modules() if isinstance(m, StreamConv)]
+    for conv in convs:
+        conv.as_matmul = on
+    return len(convs)
 
 
 class CausalConvPositionEmbedding(nn.Module):

@@ -5,7 +5,9 @@ full-size model on a CPU); it used to be built in one go on the engine thread, a
 stored voice's first use, stalling every call speaking meanwhile. Now `CausalFlow.init_stream_parts`
 builds it an encoder pass, then an estimator stage (or Euler step) at a time; a registration is an engine
 command in parts and a stored voice's first utterance builds it in `VoicePrompt` units under
-`[engine] max_step_ms`. Parts compute what the whole computation does, bit for bit.
+`[engine] max_step_ms`. The prompt is streamed a grid chunk at a time, as an utterance's own chunks
+are, so a part never spans more than one chunk's estimator stage whatever the prompt's length; the
+state equals the one-pass computation within rounding (1e-5 on the next chunk's mel).
 """
 
 from __future__ import annotations
@@ -71,16 +73,19 @@ def _whole_prompt_state(flow, features):
     return state
 
 
-def test_the_prompt_state_in_parts_is_the_whole_forward_bit_for_bit(model, features):
+def test_the_prompt_streamed_in_bounded_parts_is_the_whole_forward(model, features):
     flow = model.flow
     whole = _whole_prompt_state(flow, features)
     parted, calls = run_parts(flow.init_stream_parts(features.tokens, features.feat, features.embedding))
-    assert calls > flow.decoder.n_timesteps + 1  # the encoder, then at least a part per Euler step
+    chunks = whole.frames // (2 * flow.cfg.chunk_tokens)
+    assert chunks >= 4  # the six-second prompt: several grid chunks
+    assert calls > chunks * flow.decoder.n_timesteps  # a part never spans more than one chunk's step
     assert whole.frames == parted.frames > 0
     assert torch.equal(whole.pending_prompt, parted.pending_prompt)
     speech = torch.randint(0, flow.cfg.vocab_size, (1, 28), generator=torch.Generator().manual_seed(5))
     mels = [flow.stream_step(speech, state.clone(), finalize=False) for state in (whole, parted)]
-    assert mels[0].shape[2] > 0 and torch.equal(mels[0], mels[1])
+    assert mels[0].shape[2] > 0
+    assert (mels[0] - mels[1]).abs().max().item() <= 1e-5  # the same function, summed chunk by chunk
 
 
 def test_a_bad_prompt_is_refused_before_any_part(model, features):

@@ -59,7 +59,7 @@ from voicertc.engine.protocol import (
     Stop,
     Wake,
 )
-from voicertc.engine.scheduler import form_batch, sink_heads
+from voicertc.engine.scheduler import form_batch, sink_heads, urgency
 from voicertc.engine.step_stats import StepStats
 from voicertc.engine.utterance import Utterance
 from voicertc.engine.voice_book import VoiceInfo
@@ -91,6 +91,8 @@ class BatchReport:
 
 
 PIECE_MS = 100  # audio is written to sinks in pieces of at most this, so backpressure is fine-grained
+COMMAND_PART_EVERY = 4  # while calls are urgent, a command in parts runs every 4th loop iteration
+COMMAND_SLICE_SHARE = 0.25  # of max_step_ms: a command's parts per loop iteration
 
 
 class EngineWorker:
@@ -152,6 +154,7 @@ class EngineWorker:
         self._commands_open = False  # the thread will still read its queue (set under _lifecycle_lock)
         self._voice_prep: ThreadPoolExecutor | None = None  # one thread: voice features off the engine
         self._command_parts: deque[tuple[Parts[Any], Future[Any]]] = deque()  # commands in parts, in order
+        self._since_command_part = 0  # loop iterations since a command part last ran
         self.stats = {"utterances": 0, "done": 0, "cancelled": 0, "failed": 0}
 
     # --- thread-safe API -------------------------------------------------------------------------
@@ -367,8 +370,7 @@ class EngineWorker:
                 if writable or jobs or self._command_parts:
                     running = self._drain(block=False)
                     if running:
-                        self._iterate(writable, jobs)
-                        self._command_part()
+                        self._command_part(urgent=self._iterate(writable, jobs))
                 else:
                     running = self._drain(block=True, timeout_s=self._idle_timeout_s())
         except Exception:
@@ -422,15 +424,20 @@ class EngineWorker:
     def _live(self, utt: Utterance) -> bool:
         return self._utterances.get(utt.utterance_id) is utt
 
-    def _iterate(self, writable: list[Utterance], jobs: list[Job[Any]]) -> None:
-        """Write and finish what needs no backend, then run one batch. The drain before this may have
-        ended some utterances (a cancel): a released one is never written or stepped."""
+    def _iterate(self, writable: list[Utterance], jobs: list[Job[Any]]) -> bool:
+        """Write and finish what needs no backend, then run one batch; whether it was urgent (a call
+        about to underrun or waiting for its first audio). The drain before this may have ended some
+        utterances (a cancel): a released one is never written or stepped."""
         for utt in writable:
             if self._live(utt):
                 self._flush(utt)
         jobs = [job for job in jobs if self._live(job.utt)]
-        if jobs:
-            self._run_batch(form_batch(jobs, self.max_batch, self.pull_tokens))
+        if not jobs:
+            return False
+        batch = form_batch(jobs, self.max_batch, self.pull_tokens)
+        urgent = urgency(batch[0].utt)[0] < 2
+        self._run_batch(batch)
+        return urgent
 
     def _idle_timeout_s(self) -> float | None:
         wakes = []
@@ -491,26 +498,40 @@ class EngineWorker:
             else:
                 command.future.set_result(result)
 
-    def _command_part(self) -> None:
-        """One part of the oldest command in parts (its future resolves after its last part)."""
+    def _command_part(self, urgent: bool) -> None:
+        """A slice of the oldest command in parts: parts while another fits in a quarter of
+        `max_step_ms` (at least one; its future resolves after its last part). While the calls' batches
+        are urgent (first audio, an underrun ahead) a slice runs only every `COMMAND_PART_EVERY`
+        iterations: a registration takes the engine's slack first, yet always progresses."""
         if not self._command_parts:
             return
+        self._since_command_part += 1
+        if urgent and self._since_command_part < COMMAND_PART_EVERY:
+            return
+        self._since_command_part = 0
         parts, future = self._command_parts[0]
-        started = self.clock()
-        try:
-            next(parts)
-        except StopIteration as end:
-            self._command_parts.popleft()
-            future.set_result(end.value)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
-            self._command_parts.popleft()
-            future.set_exception(exc)
-        part_ms = 1000.0 * (self.clock() - started)
-        if part_ms > self.step_stats.max_step_ms:
-            logger.warning(
-                "engine %s: a command part took %.0f ms (engine.max_step_ms = %.0f)",
-                self.name, part_ms, self.step_stats.max_step_ms,
-            )  # fmt: skip
+        slice_s = self.step_stats.max_step_ms / 1000.0 * COMMAND_SLICE_SHARE
+        started = last = self.clock()
+        while True:
+            try:
+                next(parts)
+            except StopIteration as end:
+                self._command_parts.popleft()
+                future.set_result(end.value)
+                return
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+                self._command_parts.popleft()
+                future.set_exception(exc)
+                return
+            now = self.clock()
+            if 1000.0 * (now - last) > self.step_stats.max_step_ms:
+                logger.warning(
+                    "engine %s: a command part took %.0f ms (engine.max_step_ms = %.0f)",
+                    self.name, 1000.0 * (now - last), self.step_stats.max_step_ms,
+                )  # fmt: skip
+            if (now - started) + (now - last) > slice_s:
+                return
+            last = now
 
     def _open(self, command: OpenUtterance) -> None:
         utt: Utterance[Any] = Utterance(

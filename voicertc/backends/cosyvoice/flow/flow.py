@@ -198,16 +198,21 @@ class CausalFlow(nn.Module):
         return self._prompt_parts(state)
 
     def _prompt_parts(self, state: FlowStreamState) -> Parts[FlowStreamState]:
+        """The prompt streamed a grid chunk at a time (each with the next 3 prompt tokens as its
+        lookahead), exactly as an utterance's own chunks are: each chunk's encoder pass, then its
+        Euler steps in parts. Every part is bounded by one chunk, whatever the prompt's length (one
+        pass over a 30 s prompt was 2.6 s of encoder alone on the tiny model)."""
         lookahead, grid = self.cfg.pre_lookahead_tokens, self.cfg.chunk_tokens
         prompt = state.pending_prompt
         ready = max(prompt.shape[1] - lookahead, 0) // grid * grid
-        if ready > 0:
-            context = prompt[:, ready : ready + lookahead]
-            solve = self._start([_Chunk(state, prompt[:, :ready], context, 2 * ready)], chunk_masks=True)
+        for start in range(0, ready, grid):
+            end = start + grid
+            chunk = _Chunk(state, prompt[:, start:end], prompt[:, end : end + lookahead], 2 * grid)
+            solve = self._start([chunk], chunk_masks=True)
             yield
             while not self._advance(solve, None, parts=1):
                 yield
-            state.pending_prompt = prompt[:, ready:]
+        state.pending_prompt = prompt[:, ready:]
         return state
 
     def stream_step(self, new_tokens: Tensor, state: FlowStreamState, finalize: bool) -> Tensor:

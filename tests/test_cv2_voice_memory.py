@@ -63,9 +63,9 @@ class Counted:
 
 def test_start_up_does_no_per_voice_model_work(model, voices_dir, monkeypatch):
     init_stream = Counted(model.flow.init_stream_parts)
-    prefix_cache = Counted(model.llm.prefix_cache)
+    prefix_cache = Counted(model.llm.prefix_cache_parts)
     monkeypatch.setattr(model.flow, "init_stream_parts", init_stream)
-    monkeypatch.setattr(model.llm, "prefix_cache", prefix_cache)
+    monkeypatch.setattr(model.llm, "prefix_cache_parts", prefix_cache)
     VoiceBook(model, None)  # the model's own spk2info.pt voices (built in, few)
     built_in = init_stream.calls, prefix_cache.calls
     book = VoiceBook(model, VoiceStore(voices_dir))

@@ -20,9 +20,11 @@ import torch
 from cv2_engine_helpers import build_speaking_model_dir, load_speaking_model, make_backend
 from engine_helpers import EventLog, RecordingSink
 from parts_helpers import one_second_clock, run_parts
+from transformers.cache_utils import DynamicCache
 
 from voicertc.audio.decode import Clip
 from voicertc.backends.cosyvoice.flow.flow import _Chunk
+from voicertc.backends.cosyvoice.llm.qwen2lm import SOS_ROW
 from voicertc.backends.cosyvoice.voice.voices import VoiceBook, VoiceFeatures, VoiceStore
 from voicertc.engine import Done
 from voicertc.engine.work import VoicePrompt
@@ -203,3 +205,20 @@ def test_utterances_of_one_unbuilt_voice_share_its_build(model, golden_dir, voic
     prompt_units = [batch for batch in units if isinstance(batch[0], VoicePrompt)]
     assert len(prompt_units) == caches.parts_run + 1  # a unit of both advances the shared build once
     assert first.size > 0 and second.size > 0
+
+
+def test_the_llm_prefix_in_parts_is_the_one_forward_prefix(model):
+    llm = model.llm
+    ids = list(range(40, 77))  # 37 transcript tokens + sos: 38 positions
+    parted, calls = run_parts(llm.prefix_cache_parts(ids))
+    layers = llm.llm.model.model.config.num_hidden_layers
+    assert calls == layers + 1 and parted.prompt_text_tokens == tuple(ids)  # a decoder layer per part
+    whole = DynamicCache()
+    with torch.inference_mode():
+        llm.llm(torch.cat([llm.special_embedding(SOS_ROW), llm.embed_text(ids)], dim=1), whole)
+    assert parted.cache.get_seq_length() == whole.get_seq_length() == 38
+    for mine, one in zip(parted.cache.layers, whole.layers, strict=True):
+        assert (mine.keys - one.keys).abs().max().item() <= 1e-5
+        assert (mine.values - one.values).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="text token"):
+        llm.prefix_cache_parts([10**9])  # checked before any part

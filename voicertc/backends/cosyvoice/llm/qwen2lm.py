@@ -17,13 +17,14 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.cache_utils import DynamicCache
 
+from voicertc.backends.cosyvoice.llm.kv import KVSlot, SlotKV
 from voicertc.backends.cosyvoice.llm.sampling import (
     SamplingMode,
     SamplingParams,
@@ -32,10 +33,8 @@ from voicertc.backends.cosyvoice.llm.sampling import (
     sample_token,
 )
 from voicertc.backends.cosyvoice.load.checkpoint import check_layout
+from voicertc.engine.parts import Parts, run_to_end
 from voicertc.errors import ModelDirError
-
-if TYPE_CHECKING:
-    from voicertc.backends.cosyvoice.llm.kv import KVSlot
 
 logger = logging.getLogger(__name__)
 
@@ -233,11 +232,30 @@ class Qwen2LM(nn.Module):
     @torch.inference_mode()
     def prefix_cache(self, prompt_text_tokens: Sequence[int] | Tensor) -> PrefixCache:
         """Run [sos, prompt_text] once so that every utterance of a voice can start from a copy."""
+        return run_to_end(self.prefix_cache_parts(prompt_text_tokens))
+
+    def prefix_cache_parts(self, prompt_text_tokens: Sequence[int] | Tensor) -> Parts[PrefixCache]:
+        """`prefix_cache` in bounded parts: [sos, prompt_text] through the backbone a decoder layer per
+        part (`SlotKV.forward_parts` on a private one-row pool: a 400-token transcript was 1.7 s in one
+        forward on the full-size model on a CPU, and feeding it in chunks of positions re-reads every
+        weight per chunk), its K/V then held as the `DynamicCache` a session copies. The ids are checked
+        now (ValueError), before any part; run each part under `torch.inference_mode()`."""
         ids = tuple(
             int(t) for t in self._ids(prompt_text_tokens, "text token", self.text_vocab_size).tolist()
         )
+        return self._prefix_parts(ids)
+
+    def _prefix_parts(self, ids: tuple[int, ...]) -> Parts[PrefixCache]:
+        embeds = torch.cat([self.special_embedding(SOS_ROW), self.embed_text(ids)], dim=1)
+        length = embeds.shape[1]
+        pool = SlotKV(self.llm.model.model, slots=1, capacity=length)
+        row = pool.acquire()
+        yield from pool.forward_parts([row], embeds)
         cache = DynamicCache()
-        self.llm(torch.cat([self.special_embedding(SOS_ROW), self.embed_text(ids)], dim=1), cache)
+        for layer in range(pool.layers):
+            keys = pool.k[layer, row.index, :, :length].unsqueeze(0).clone()
+            values = pool.v[layer, row.index, :, :length].unsqueeze(0).clone()
+            cache.update(keys, values, layer)
         return PrefixCache(prompt_text_tokens=ids, cache=cache)
 
     @torch.inference_mode()

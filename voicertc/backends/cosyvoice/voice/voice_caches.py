@@ -33,14 +33,16 @@ if TYPE_CHECKING:
 class VoiceCaches:
     """The flow state after the prompt and the LLM prefix of one voice, each built once (engine thread).
 
-    `flow_parts` checks the prompt when called (before any part) and returns the flow's build as parts;
-    `build_prefix` is one part (a few dozen text positions)."""
+    `flow_parts` and `prefix_parts` check their inputs when called (before any part) and return the
+    builds as parts."""
 
     def __init__(
-        self, flow_parts: Callable[[], Parts[FlowStreamState]], build_prefix: Callable[[], PrefixCache]
+        self,
+        flow_parts: Callable[[], Parts[FlowStreamState]],
+        prefix_parts: Callable[[], Parts[PrefixCache]],
     ) -> None:
         self._flow_parts = flow_parts
-        self._build_prefix = build_prefix
+        self._prefix_parts = prefix_parts
         self._flow: FlowStreamState | None = None
         self._prefix: PrefixCache | None = None
         self._building: Parts[None] | None = None  # the build in progress, shared by whoever advances it
@@ -102,15 +104,18 @@ class VoiceCaches:
             pass
 
     def _parts(self) -> Parts[None]:
-        flow_parts = self._flow_parts() if self._flow is None else None  # checks the prompt now
-        return self._build(flow_parts)
+        flow_parts = self._flow_parts() if self._flow is None else None  # check the prompt now
+        prefix_parts = self._prefix_parts() if self._prefix is None else None
+        return self._build(flow_parts, prefix_parts)
 
-    def _build(self, flow_parts: Parts[FlowStreamState] | None) -> Parts[None]:
+    def _build(
+        self, flow_parts: Parts[FlowStreamState] | None, prefix_parts: Parts[PrefixCache] | None
+    ) -> Parts[None]:
         if flow_parts is not None:
             self._flow = yield from flow_parts
             yield
-        if self._prefix is None:
-            self._prefix = self._build_prefix()
+        if prefix_parts is not None:
+            self._prefix = yield from prefix_parts
 
     def nbytes(self) -> int:
         """Bytes of the built caches (0 before first use)."""

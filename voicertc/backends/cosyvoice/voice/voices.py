@@ -144,7 +144,7 @@ def voice_from_features(
         kind = "zero_shot" if text_ids else ("sft" if tokens.shape[1] == 0 else "cross_lingual")
     caches = VoiceCaches(
         lambda: _prompt_flow_parts(model, tokens, feat, embedding),
-        lambda: model.llm.prefix_cache(list(text_ids)),
+        lambda: model.llm.prefix_cache_parts(list(text_ids)),
     )
     if not lazy:
         caches.build()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -16,6 +17,7 @@ if str(REPO) not in sys.path:
 
 from bench.make_tiny_model_dir import SFT_VOICE as SFT_VOICE  # noqa: E402 - re-exported
 from bench.make_tiny_model_dir import make_tiny_model_dir  # noqa: E402
+from voicertc.audio.decode import Clip  # noqa: E402
 from voicertc.backends.cosyvoice.load import load_v2 as load  # noqa: E402
 from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model  # noqa: E402
 from voicertc.backends.cosyvoice.serve.backend import BackendOptions, CosyVoice2Backend  # noqa: E402
@@ -57,3 +59,11 @@ def make_backend(
     )
     backend.add_voice(golden_voice(model, golden_dir), persist=False)
     return backend
+
+
+def tone_clip(seconds: float, pitch_hz: float) -> Clip:
+    """A voiced-sounding prompt clip at 16 kHz (a tone with a 3 Hz tremolo), for registering voices."""
+    rate = 16000
+    t = np.arange(int(seconds * rate)) / rate
+    wav = 0.3 * np.sin(2 * np.pi * pitch_hz * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t))
+    return Clip(samples=wav.astype(np.float32), sample_rate_hz=rate)

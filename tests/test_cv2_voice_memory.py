@@ -9,13 +9,11 @@ from __future__ import annotations
 import gc
 import weakref
 
-import numpy as np
 import pytest
 import torch
-from cv2_engine_helpers import build_speaking_model_dir, load_speaking_model, make_backend
+from cv2_engine_helpers import build_speaking_model_dir, load_speaking_model, make_backend, tone_clip
 from engine_helpers import EventLog, RecordingSink
 
-from voicertc.audio.decode import Clip
 from voicertc.backends.cosyvoice.voice.voice_caches import tensor_bytes
 from voicertc.backends.cosyvoice.voice.voices import VoiceBook, VoiceStore
 from voicertc.engine import Done
@@ -33,20 +31,13 @@ def model(tiny_model_dir, golden_dir, tmp_path_factory):
     )
 
 
-def _clip(seconds: float, pitch_hz: float) -> Clip:
-    rate = 16000
-    t = np.arange(int(seconds * rate)) / rate
-    wav = 0.3 * np.sin(2 * np.pi * pitch_hz * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t))
-    return Clip(samples=wav.astype(np.float32), sample_rate_hz=rate)
-
-
 @pytest.fixture(scope="module")
 def voices_dir(model, tmp_path_factory):
     """STORED registered voices on disk, as a server that ran before left them."""
     directory = tmp_path_factory.mktemp("voices")
     book = VoiceBook(model, VoiceStore(directory))
     for i in range(STORED):
-        book.register(_clip(3.0 + i, 150 + 20 * i), f"Voice number {i + 1}.", f"stored-{i}")
+        book.register(tone_clip(3.0 + i, 150 + 20 * i), f"Voice number {i + 1}.", f"stored-{i}")
     return directory
 
 
@@ -93,9 +84,9 @@ def test_a_deleted_voice_gives_its_prompt_caches_back(model, golden_dir, tmp_pat
     engine.start()
     try:
         for i, seconds in enumerate((3.0, 6.0)):
-            engine.register_voice(_clip(seconds, 160 + 40 * i), f"Clip number {i + 1}.", f"v{i}", "").result(
-                60
-            )
+            engine.register_voice(
+                tone_clip(seconds, 160 + 40 * i), f"Clip number {i + 1}.", f"v{i}", ""
+            ).result(60)
             log = EventLog()
             uid = engine.open_utterance(f"v{i}", RecordingSink(), log)
             engine.push_text(uid, "Speak once.", end=True)

@@ -17,12 +17,11 @@ import time
 import numpy as np
 import pytest
 import torch
-from cv2_engine_helpers import build_speaking_model_dir, load_speaking_model, make_backend
+from cv2_engine_helpers import build_speaking_model_dir, load_speaking_model, make_backend, tone_clip
 from engine_helpers import EventLog, RecordingSink
 from parts_helpers import one_second_clock, run_parts
 from transformers.cache_utils import DynamicCache
 
-from voicertc.audio.decode import Clip
 from voicertc.backends.cosyvoice.flow.flow import _Chunk
 from voicertc.backends.cosyvoice.llm.qwen2lm import SOS_ROW
 from voicertc.backends.cosyvoice.voice.voices import VoiceBook, VoiceFeatures, VoiceStore
@@ -43,16 +42,9 @@ def model(tiny_model_dir, golden_dir, tmp_path_factory):
     )
 
 
-def _clip(seconds: float, pitch_hz: float) -> Clip:
-    rate = 16000
-    t = np.arange(int(seconds * rate)) / rate
-    wav = 0.3 * np.sin(2 * np.pi * pitch_hz * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t))
-    return Clip(samples=wav.astype(np.float32), sample_rate_hz=rate)
-
-
 @pytest.fixture(scope="module")
 def features(model) -> VoiceFeatures:
-    return VoiceBook(model, None).prepare(_clip(6.0, 170), "A prompt of six seconds.", VOICE)
+    return VoiceBook(model, None).prepare(tone_clip(6.0, 170), "A prompt of six seconds.", VOICE)
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +125,7 @@ def test_a_registration_runs_in_parts_between_a_speaking_calls_units(model, gold
         engine.push_text(speaking, " ".join([TEXT] * 4), end=True)
         while "unit" not in order:
             time.sleep(0.01)
-        info = engine.register_voice(_clip(6.0, 170), "A prompt of six seconds.", VOICE, "").result(120)
+        info = engine.register_voice(tone_clip(6.0, 170), "A prompt of six seconds.", VOICE, "").result(120)
         assert info["id"] == VOICE and VOICE in engine.voices()
         log.wait_terminal([speaking], 300)
         assert isinstance(log.of(speaking)[-1], Done)

@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from flow_stream_helpers import stream_golden
 
 from voicertc.backends.cosyvoice.flow import dit
 from voicertc.backends.cosyvoice.flow.captured import Buckets, CapturedEstimator
 from voicertc.backends.cosyvoice.flow.dit import grouped_conv1d_as_matmul, use_matmul_convs
 from voicertc.backends.cosyvoice.flow.graph import StreamingEstimator
 
-HOPS = (29, 50, 41)  # chunks on the 25-token grid from the 21-token prompt, the last one final
+HOPS = [25, 50]  # chunks of 29 and 50 tokens from the 21-token prompt (the first padded), then the final
 
 
 @pytest.mark.parametrize(
@@ -51,14 +52,7 @@ def g(cv3_records):
 
 
 def _stream(flow, g) -> torch.Tensor:
-    state = flow.init_stream(g["in_prompt_token"].long(), g["in_prompt_feat"], g["in_embedding"])
-    tokens, start, mels = g["in_token"].long(), 0, []
-    for i, hop in enumerate(HOPS):
-        final = i == len(HOPS) - 1
-        new = tokens[:, start : start + hop if final else start + hop + 3]
-        mels.append(flow.stream_step(new, state, finalize=final))
-        start += hop
-    return torch.cat(mels, dim=2)
+    return stream_golden(flow, g, HOPS)
 
 
 def _matmul_stream(flow, g, runner=None) -> torch.Tensor:
@@ -82,7 +76,8 @@ def test_a_streamed_utterance_with_matmul_convs_equals_the_conv1d_one(flow, g, m
 
     monkeypatch.setattr(dit, "grouped_conv1d_as_matmul", counted)
     got = _matmul_stream(flow, g)
-    assert len(calls) == 2 * len(HOPS) * flow.decoder.n_timesteps, len(calls)  # two convs a forward
+    chunks = len(HOPS) + 1
+    assert len(calls) == 2 * chunks * flow.decoder.n_timesteps, len(calls)  # two convs a forward
     assert got.shape == expected.shape and got.shape[2] > 0
     assert (got - expected).abs().max().item() <= 1e-5
 

@@ -31,6 +31,7 @@ import torch
 from bench.make_full_model_dir import DEFAULT_OUT, DEFAULT_OUT_V3, make_full_model_dir
 from bench.report import summary, table, write_json
 from voicertc.audio import PcmRing, RingSink
+from voicertc.backends.cosyvoice.flow.dit import use_matmul_convs
 from voicertc.backends.cosyvoice.llm.streamer import ThreadedSpeechLlm
 from voicertc.backends.cosyvoice.load import load_v2 as load
 from voicertc.backends.cosyvoice.load import load_v3
@@ -156,6 +157,9 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--cuda-graphs", action="store_true", help="[engine] cuda_graphs (CUDA only)")
     parser.add_argument("--llm", choices=["torch", "thread"], default="torch", help="[engine] llm")
+    parser.add_argument(
+        "--dit-conv", choices=["conv1d", "matmul"], default="conv1d", help="[engine] dit_conv"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not args.model_dir:
@@ -179,6 +183,7 @@ def main() -> None:
     if args.version == 3:
         if streamer is not None:
             parser.error("--llm thread is CosyVoice2's only")
+        use_matmul_convs(model.flow.decoder.estimator, args.dit_conv == "matmul")
         backend: CosyVoice2Backend = CosyVoice3Backend(model, options=options)
     else:
         backend = CosyVoice2Backend(model, options=options, streamer=streamer)
@@ -201,6 +206,8 @@ def main() -> None:
         "args": vars(args), "device_name": _device_name(args.device), "results": results, "captured": captured
     }  # fmt: skip
     name = f"cv{args.version}_load_{args.device.split(':')[0]}_{args.dtype}"
+    if args.dit_conv != "conv1d":
+        name += f"_{args.dit_conv}"
     name += "_graphs" if args.cuda_graphs else ""
     name += "" if args.llm == "torch" else f"_llm_{args.llm}"
     print("wrote", write_json(name, record))  # noqa: T201

@@ -45,7 +45,7 @@
 #                    each official process costs ~25-30 s on an H100 before its first chunk)
 #   SUITE            v2 (default) | v3: CosyVoice3 instead (issue 21): its full-size directory, the GPU tests,
 #                    `bench.cv3_stream` (incremental vs re-run per chunk), `bench.cv2_load --version 3`
-#                    1/8/16 then 32/64, `bench.peer_official --version 3` float32 (the official
+#                    1/8/16 then 32/64 (cv3_load_matmul: 1/8/16 with `--dit-conv matmul`), `bench.peer_official --version 3` float32 (the official
 #                    `CosyVoice3Model` loop); MODEL_DIR default .models/cv3_full (cpu: .models/cv3_tiny_suite)
 #
 # Measured on an H100 (2026-11-27): a call's start ~30 s; model_dir 16-18 s; pytest_gpu > 90 s (13 tests);
@@ -219,6 +219,9 @@ if [ "$SUITE" = v3 ]; then
     step peer_v3 "$T_PEER32" "$PYTHON" -m bench.peer_official --version 3 --model-dir "$MODEL_DIR" \
         --peer "$PEER_DIR" --site "$PEER_SITE" --out "$PACK/peer_v3" "${PEER_V3[@]}"
     step flow_probe_v3 "$T_PROBE" "$PYTHON" -m bench.gpu_flow_probe --v3 --device "$DEV" --out "$PACK/flow_probe_v3"
+    # the same load with the DiT's position convs as batched matmuls (engine.dit_conv = matmul)
+    step cv3_load_matmul "$T_LOAD" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD_V3[@]}" \
+        --concurrency "${LEVELS_SMALL[@]}" --dit-conv matmul
     step cv3_load_large "$T_LOAD_LARGE" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD_V3[@]}" \
         --concurrency "${LEVELS_LARGE[@]}"
     finish

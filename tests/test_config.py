@@ -44,6 +44,8 @@ def test_values_are_read_and_typed(tmp_path):
         ("[engine]\nworkers = 0\n", "engine.workers"),
         ("[engine]\nmax_batch = 0\n", "engine.max_batch"),
         ("[engine]\nbistream_unit = 'phrase'\n", "engine.bistream_unit"),
+        ("[engine]\nbackend = 'cosyvoice3'\nmodel_dir = 'm'\ndit_conv = 'fft'\n", "engine.dit_conv"),
+        ("[engine]\nbackend = 'cosyvoice2'\nmodel_dir = 'm'\ndit_conv = 'matmul'\n", "engine.dit_conv"),
         ("[engine]\nbackend = 'cosyvoice2'\nmodel_dir = 'm'\nworkers = 2\n", "engine.workers"),
         ("[engine]\nbackend = 'cosyvoice3'\n", "engine.model_dir"),
         ("[engine]\nbackend = 'cosyvoice3'\nmodel_dir = 'm'\nworkers = 2\n", "engine.workers"),

@@ -131,6 +131,7 @@ class EngineConfig:
         0  # CosyVoice utterances holding flow contexts at once (0 = auto: GPU memory; CPU: any)
     )
     streaming_context_s: float = 30.0  # speech (prompt included) an auto max_streaming gives each room for
+    dit_conv: str = "conv1d"  # CosyVoice3 DiT position convs: conv1d | matmul (one batched matmul each)
 
     @property
     def model_name(self) -> str:
@@ -166,6 +167,9 @@ class EngineConfig:
         _check(self.bistream_unit in ("word", "sentence"), "engine.bistream_unit", "must be word | sentence")
         _check(0 <= self.max_streaming <= 4096, "engine.max_streaming", "must be 0 (auto) or 1..4096")
         _check(1.0 <= self.streaming_context_s <= 600.0, "engine.streaming_context_s", "must be 1..600 s")
+        _check(self.dit_conv in ("conv1d", "matmul"), "engine.dit_conv", "must be conv1d | matmul")
+        ok_dit = self.dit_conv == "conv1d" or self.model_name == "cosyvoice3"
+        _check(ok_dit, "engine.dit_conv", "matmul applies to CosyVoice3's DiT only (backend cosyvoice3)")
         _check(
             self.estimator in ("torch", "onnx", "tensorrt"),
             "engine.estimator",

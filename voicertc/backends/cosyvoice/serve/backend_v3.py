@@ -18,6 +18,7 @@ import logging
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+from voicertc.backends.cosyvoice.flow.dit import use_matmul_convs
 from voicertc.backends.cosyvoice.llm.v3 import ENDOFPROMPT_ID
 from voicertc.backends.cosyvoice.load import load_v3 as load
 from voicertc.backends.cosyvoice.load.files import torch_dtype
@@ -197,6 +198,9 @@ def create_backend(config: Config) -> CosyVoice3Backend:
     device = resolve_device(engine.device)
     dtype = torch_dtype(engine.dtype, device, half_on_cpu=False)  # v3 on CPU: float32 only
     model = load(engine.model_dir, device, dtype, check_frontend=True)
+    if engine.dit_conv == "matmul":  # before the warm-up: its captured steps take this form
+        convs = use_matmul_convs(model.flow.decoder.estimator)
+        logger.info("engine.dit_conv = matmul: %d DiT position convs as batched matmuls", convs)
     s = config.schedule
     schedule = ChunkSchedule(
         first_hop_tokens=s.first_hop_tokens,

@@ -215,13 +215,13 @@ step pytest_gpu "$T_TEST" "$PYTHON" -m pytest -q -m gpu tests/test_gpu*.py -p no
 if [ "$SUITE" = v3 ]; then
     step cv3_load "$T_LOAD" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD_V3[@]}" \
         --concurrency "${LEVELS_SMALL[@]}"
-    step cv3_stream "$T_STREAM" "$PYTHON" -m bench.cv3_stream "${CV3_STREAM[@]}"
-    step peer_v3 "$T_PEER32" "$PYTHON" -m bench.peer_official --version 3 --model-dir "$MODEL_DIR" \
-        --peer "$PEER_DIR" --site "$PEER_SITE" --out "$PACK/peer_v3" "${PEER_V3[@]}"
     step flow_probe_v3 "$T_PROBE" "$PYTHON" -m bench.gpu_flow_probe --v3 --device "$DEV" --out "$PACK/flow_probe_v3"
     # the same load with the DiT's position convs as batched matmuls (engine.dit_conv = matmul)
     step cv3_load_matmul "$T_LOAD" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD_V3[@]}" \
         --concurrency "${LEVELS_SMALL[@]}" --dit-conv matmul
+    step cv3_stream "$T_STREAM" "$PYTHON" -m bench.cv3_stream "${CV3_STREAM[@]}"
+    step peer_v3 "$T_PEER32" "$PYTHON" -m bench.peer_official --version 3 --model-dir "$MODEL_DIR" \
+        --peer "$PEER_DIR" --site "$PEER_SITE" --out "$PACK/peer_v3" "${PEER_V3[@]}"
     step cv3_load_large "$T_LOAD_LARGE" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD_V3[@]}" \
         --concurrency "${LEVELS_LARGE[@]}"
     finish

@@ -148,6 +148,8 @@ def _speak(backend, utterance_ids, voice=VOICE):
 
     def recorded(batch, now_s):
         units.append([job.work for job in batch])
+        if isinstance(batch[0].work, VoicePrompt):  # preparing the voice counts no synthesis steps
+            assert all(job.utt.steps <= 1 for job in batch)  # the Frontend unit before it only
         return run(batch, now_s)
 
     backend.run = recorded
@@ -214,3 +216,23 @@ def test_the_llm_prefix_in_parts_is_the_one_forward_prefix(model):
         assert (mine.values - one.values).abs().max().item() <= 1e-5
     with pytest.raises(ValueError, match="text token"):
         llm.prefix_cache_parts([10**9])  # checked before any part
+
+
+def test_an_utterance_waiting_for_its_text_builds_its_voice_meanwhile(model, golden_dir, voices_dir):
+    backend = make_backend(model, golden_dir, voices_dir, max_step_ms=1500, step_clock=one_second_clock())
+    caches = backend.book.get(VOICE).caches
+    engine = EngineWorker(backend, name="cv2-voice-before-text")
+    log, sink = EventLog(), RecordingSink()
+    engine.start()
+    try:
+        uid = engine.open_utterance(VOICE, sink, log)  # no text yet: an agent's first delta is to come
+        deadline = time.monotonic() + 120
+        while not caches.ready and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert caches.ready and caches.parts_run > 0 and sink.samples(uid).size == 0
+        engine.push_text(uid, "Hello there", end=False)
+        engine.push_text(uid, " friend.", end=True)
+        log.wait_terminal([uid], 300)
+        assert isinstance(log.of(uid)[-1], Done) and sink.samples(uid).size > 0
+    finally:
+        engine.stop()

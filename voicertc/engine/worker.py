@@ -63,7 +63,7 @@ from voicertc.engine.scheduler import form_batch, sink_heads, urgency
 from voicertc.engine.step_stats import StepStats
 from voicertc.engine.utterance import Utterance
 from voicertc.engine.voice_book import VoiceInfo
-from voicertc.engine.work import Job, stage_name
+from voicertc.engine.work import Job, VoicePrompt, stage_name
 from voicertc.errors import (
     EngineStoppedError,
     InputError,
@@ -572,7 +572,8 @@ class EngineWorker:
     def _run_batch(self, batch: list[Job[Any]]) -> None:
         started, cpu_started = self.clock(), time.thread_time()
         for job in batch:
-            job.utt.steps += 1
+            if not isinstance(job.work, VoicePrompt):  # preparing a voice is not the utterance's synthesis:
+                job.utt.steps += 1  # it must not count as units without audio (scheduler.AUDIO_STEPS)
         try:
             results: list[StepResult] = self._planner.run(batch, started)
         except Exception as exc:  # noqa: BLE001 - a backend that failed the whole batch fails its members

@@ -230,9 +230,13 @@ class Cv2State:
 
     def plan(self, utt: Utterance[Cv2State]) -> Work | None:
         """The unit that makes progress now, or None when only new text (or a streamed token) can help.
-        A unit that would read the voice's prompt caches before they are built builds them first."""
+        A unit that would read the voice's prompt caches before they are built builds them first, and
+        so does an utterance waiting for its first text (an agent's deltas: the voice is ready when the
+        text comes)."""
         work = self._plan(utt)
-        if not self.voice.caches.ready and self._reads_voice_caches(utt, work):
+        if self.voice.caches.ready or self.done:
+            return work
+        if work is None or self._reads_voice_caches(utt, work):
             return VoicePrompt()
         return work
 

@@ -12,12 +12,19 @@ state equals the one-pass computation within rounding (1e-5 on the next chunk's 
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
 import pytest
 import torch
-from cv2_engine_helpers import build_speaking_model_dir, load_speaking_model, make_backend, tone_clip
+from cv2_engine_helpers import (
+    GOLDEN_VOICE,
+    build_speaking_model_dir,
+    load_speaking_model,
+    make_backend,
+    tone_clip,
+)
 from engine_helpers import EventLog, RecordingSink
 from parts_helpers import one_second_clock, run_parts
 from transformers.cache_utils import DynamicCache
@@ -102,12 +109,15 @@ def test_a_registration_runs_in_parts_between_a_speaking_calls_units(model, gold
         order.append("unit")
         return run(batch, now_s)
 
+    first_part = threading.Event()
+
     def recorded_install(prepared):
         parts = install_parts(prepared)
 
         def each():
             while True:
                 order.append("part")
+                first_part.set()
                 try:
                     next(parts)
                 except StopIteration as end:
@@ -121,11 +131,11 @@ def test_a_registration_runs_in_parts_between_a_speaking_calls_units(model, gold
     engine.start()
     try:
         log, sink = EventLog(), RecordingSink()
+        registered = engine.register_voice(tone_clip(6.0, 170), "A prompt of six seconds.", VOICE, "")
+        assert first_part.wait(120)  # the registration's model work has begun: a call starts now
         speaking = engine.open_utterance(None, sink, log)
-        engine.push_text(speaking, " ".join([TEXT] * 4), end=True)
-        while "unit" not in order:
-            time.sleep(0.01)
-        info = engine.register_voice(tone_clip(6.0, 170), "A prompt of six seconds.", VOICE, "").result(120)
+        engine.push_text(speaking, TEXT, end=True)
+        info = registered.result(120)
         assert info["id"] == VOICE and VOICE in engine.voices()
         log.wait_terminal([speaking], 300)
         assert isinstance(log.of(speaking)[-1], Done)
@@ -236,3 +246,28 @@ def test_an_utterance_waiting_for_its_text_builds_its_voice_meanwhile(model, gol
         assert isinstance(log.of(uid)[-1], Done) and sink.samples(uid).size > 0
     finally:
         engine.stop()
+
+
+def test_a_call_waiting_for_admission_builds_its_voice_meanwhile(model, golden_dir, voices_dir):
+    """Memory admission holds back what allocates an utterance's flow contexts, not its voice's build."""
+    backend = make_backend(model, golden_dir, voices_dir, max_streaming=1)
+    caches = backend.book.get(VOICE).caches
+    log, ready_when_first_ended = EventLog(), []
+
+    def on_event(event):
+        if isinstance(event, Done) and event.utterance_id == "first":
+            ready_when_first_ended.append(caches.ready)
+        log(event)
+
+    engine = EngineWorker(backend, name="cv2-voice-admission")
+    engine.start()
+    try:
+        engine.open_utterance(GOLDEN_VOICE, RecordingSink(), on_event, utterance_id="first")
+        engine.push_text("first", " ".join([TEXT] * 6), end=True)
+        engine.open_utterance(VOICE, RecordingSink(), on_event, utterance_id="second")  # waits: cap 1
+        engine.push_text("second", TEXT, end=True)
+        log.wait_terminal(["first", "second"], 300)
+    finally:
+        engine.stop()
+    assert [type(log.of(u)[-1]) for u in ("first", "second")] == [Done, Done]
+    assert ready_when_first_ended == [True]

@@ -342,7 +342,9 @@ class CosyVoice2Backend:
     def plan(self, utt: Utterance[Cv2State], now_s: float) -> Work | None:
         st = utt.backend_state
         work = st.plan(utt) if st is not None else None
-        return work if work is None or self._admitted(utt) else None
+        if work is None or isinstance(work, VoicePrompt):  # building a voice holds no utterance context
+            return work
+        return work if self._admitted(utt) else None
 
     def _admitted(self, utt: Utterance[Cv2State]) -> bool:
         """Memory admission: an utterance holds flow contexts (every Euler step's K/V of every frame)

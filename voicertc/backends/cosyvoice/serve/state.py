@@ -230,23 +230,11 @@ class Cv2State:
 
     def plan(self, utt: Utterance[Cv2State]) -> Work | None:
         """The unit that makes progress now, or None when only new text (or a streamed token) can help.
-        A unit that would read the voice's prompt caches before they are built builds them first, and
-        so does an utterance waiting for its first text (an agent's deltas: the voice is ready when the
-        text comes)."""
-        work = self._plan(utt)
-        if self.voice.caches.ready or self.done:
-            return work
-        if work is None or self._reads_voice_caches(utt, work):
+        An utterance whose voice's prompt caches are not built yet builds them first (a stored voice's
+        first use), whether or not its text has come: an agent's first delta finds the voice ready."""
+        if not self.done and not self.voice.caches.ready:
             return VoicePrompt()
-        return work
-
-    def _reads_voice_caches(self, utt: Utterance[Cv2State], work: Work | None) -> bool:
-        """`Prefill` (the LLM prefix, a new token2wav stream) and the first deltas `Frontend` (the
-        bistream session's token2wav stream) read the voice's prompt caches."""
-        if isinstance(work, Prefill):
-            return True
-        mode = self.mode or ("whole" if utt.input_ended else "deltas")
-        return isinstance(work, Frontend) and mode == "deltas" and self.bistream is None
+        return self._plan(utt)
 
     def _plan(self, utt: Utterance[Cv2State]) -> Work | None:
         if self.done:

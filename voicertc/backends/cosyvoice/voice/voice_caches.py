@@ -8,10 +8,11 @@ and holds no caches; `nbytes` is what they hold (distinct tensor storages, spare
 and dropping the voice drops them.
 
 Building them is seconds of model work on a CPU (the flow's ten Euler steps over every prompt frame),
-longer than an engine unit may take, so it goes in parts (`advance`: the flow encoder, then an estimator
-stage or Euler step at a time, then the LLM prefix) that the engine interleaves with the other calls'
-units: a registration (an engine command in parts) or a stored voice's first utterance (its
-`VoicePrompt` units) advance the same build, whichever comes first.
+longer than an engine unit may take, so it goes in parts (`advance`: the prompt streamed a grid chunk at
+a time, each chunk's encoder pass then its estimator stages or Euler steps, then the LLM prefix a decoder
+layer at a time) that the engine interleaves with the other calls' units: a registration (an engine
+command in parts) or a stored voice's first utterance (its `VoicePrompt` units) advance the same build,
+whichever comes first.
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ class VoiceCaches:
         self._finish()
 
     def check(self) -> None:
-        """Check the prompt (what `flow_parts` checks before its first part) and start the build, so a
-        bad prompt fails here, before any model work."""
+        """Check the prompt and the transcript ids (what `flow_parts` and `prefix_parts` check before
+        their first part) and start the build, so a bad prompt fails here, before any model work."""
         if not self.ready and self._building is None:
             self._building = self._parts()
 

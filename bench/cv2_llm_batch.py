@@ -27,9 +27,11 @@ from voicertc.backends.cosyvoice.llm.kv import SlotKV
 from voicertc.backends.cosyvoice.load.v2 import load_llm
 
 
-def run_batch(llm, batch: int, steps: int, warmup: int, device: str, graphs: bool) -> dict[str, object]:
+def run_batch(
+    llm, batch: int, steps: int, warmup: int, device: str, graphs: bool, compile: bool = False
+) -> dict[str, object]:
     pool = SlotKV(llm.llm.model.model, slots=max(batch, 1) + 1, capacity=512)
-    static = DecodeGraphs(pool, llm.llm_decoder, max_rows=batch) if graphs else None
+    static = DecodeGraphs(pool, llm.llm_decoder, max_rows=batch, compile=compile) if graphs else None
     gen = torch.Generator().manual_seed(1)
     sessions = []
     for row in range(batch):
@@ -72,11 +74,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--graphs", action="store_true", help="CUDA graph per batch bucket (CUDA only)")
+    parser.add_argument("--compile", action="store_true", help="with --graphs: the static step compiled")
     args = parser.parse_args()
+    if args.compile and not args.graphs:
+        parser.error("--compile compiles the static step of --graphs")
     torch.set_num_threads(args.threads)
     llm = load_llm(args.model_dir, args.device, dtype=getattr(torch, args.dtype))
     llm.min_len_ban_ids = tuple(sorted(llm.stop_ids))  # random weights: no row ends during the timing
-    results = [run_batch(llm, b, args.steps, args.warmup, args.device, args.graphs) for b in args.batch]
+    results = [
+        run_batch(llm, b, args.steps, args.warmup, args.device, args.graphs, args.compile) for b in args.batch
+    ]
     base = results[0]["tokens_per_s"]
     rows = [
         {
@@ -93,7 +100,9 @@ def main() -> None:
     load = os.getloadavg()[0]
     print(f"load average (1 min): {load:.1f}")
     path = write_json(
-        f"cv2_llm_batch_{args.device.replace(':', '')}_{args.dtype}{'_graphs' if args.graphs else ''}",
+        f"cv2_llm_batch_{args.device.replace(':', '')}_{args.dtype}"
+        + ("_graphs" if args.graphs else "")
+        + ("_compiled" if args.compile else ""),
         {"args": vars(args), "results": results, "load_avg_1m": load},
     )
     print(f"wrote {path}")

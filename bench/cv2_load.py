@@ -156,6 +156,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--cuda-graphs", action="store_true", help="[engine] cuda_graphs (CUDA only)")
+    parser.add_argument("--compile", action="store_true", help="with --cuda-graphs: [engine] compile")
     parser.add_argument("--llm", choices=["torch", "thread"], default="torch", help="[engine] llm")
     parser.add_argument(
         "--dit-conv", choices=["conv1d", "matmul"], default="conv1d", help="[engine] dit_conv"
@@ -175,6 +176,7 @@ def main() -> None:
         seed=5,
         max_segment_tokens=args.max_tokens,
         cuda_graphs=args.cuda_graphs,
+        compile_steps=args.compile and args.cuda_graphs,
         graph_rows=max(args.concurrency),
         # memory admission sized for these utterances: --max-tokens of speech on a prompt of <= 5 s
         streaming_context_s=args.max_tokens / 25 + 5.0,
@@ -209,6 +211,7 @@ def main() -> None:
     if args.dit_conv != "conv1d":
         name += f"_{args.dit_conv}"
     name += "_graphs" if args.cuda_graphs else ""
+    name += "_compiled" if args.compile else ""
     name += "" if args.llm == "torch" else f"_llm_{args.llm}"
     print("wrote", write_json(name, record))  # noqa: T201
 

@@ -124,6 +124,7 @@ def ttfa_rows(
     prompt_tokens: int,
     schedule: ChunkSchedule,
     cuda_graphs: bool = False,
+    compile_steps: bool = False,
 ) -> tuple[list[dict[str, object]], float, dict[str, dict[str, int]]]:
     """TTFA parts of `runs` utterances, the voice preparation time, and the captured stages' counts
     (replays, eager fallbacks, captures: whether the runs replayed what warm-up captured)."""
@@ -138,7 +139,8 @@ def ttfa_rows(
         voice_id="bench",
     )
     voice_prep_s = time.perf_counter() - started
-    backend = CosyVoice2Backend(model, schedule, options=BackendOptions(seed=5, cuda_graphs=cuda_graphs))
+    options = BackendOptions(seed=5, cuda_graphs=cuda_graphs, compile_steps=compile_steps)
+    backend = CosyVoice2Backend(model, schedule, options=options)
     backend.add_voice(voice, persist=False)
     if device.startswith("cuda"):  # as the engine does before it says ready: kernels, captured buckets
         backend.warm_up()
@@ -176,6 +178,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--cuda-graphs", action="store_true", help="(b) with [engine] cuda_graphs (CUDA)")
+    parser.add_argument("--compile", action="store_true", help="(b) with --cuda-graphs: [engine] compile")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ttfa-prompt-tokens", type=int, default=75, help="voice prompt for (b)")
     parser.add_argument("--first-hop", type=int, default=25, help="schedule.first_hop_tokens for (b)")
@@ -196,7 +199,7 @@ def main() -> None:
 
     schedule = ChunkSchedule(first_hop_tokens=args.first_hop, grid_tokens=args.grid or None)
     rows, voice_prep_s, captured = ttfa_rows(
-        model, args.runs, args.device, args.ttfa_prompt_tokens, schedule, args.cuda_graphs
+        model, args.runs, args.device, args.ttfa_prompt_tokens, schedule, args.cuda_graphs, args.compile
     )
     if captured:
         print(f"captured stages (replays / eager / captures): {captured}")
@@ -210,7 +213,7 @@ def main() -> None:
     part = (
         f"prompt{args.prompt_tokens}" if flow_rows else f"ttfa_p{args.ttfa_prompt_tokens}_hop{args.first_hop}"
     )
-    name = f"cv2_stream_{args.device.split(':')[0]}_{part}"
+    name = f"cv2_stream_{args.device.split(':')[0]}_{part}{'_compiled' if args.compile else ''}"
     print(f"wrote {write_json(name, record)}")
 
 

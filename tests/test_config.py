@@ -130,6 +130,14 @@ def test_cosyvoice2_only_acceleration_is_refused_for_cosyvoice3(tmp_path, settin
     load_config(write(tmp_path, text.replace("cosyvoice3", "cosyvoice2")))  # CosyVoice2 takes it
 
 
+def test_cosyvoice3_compiles_only_its_captured_decode_step(tmp_path):
+    text = "[engine]\nbackend = 'cosyvoice3'\nmodel_dir = '/m'\ndevice = 'cuda'\ncompile = true\n"
+    with pytest.raises(ConfigError, match=r"engine[.]compile.*cuda_graphs"):
+        load_config(write(tmp_path, text))
+    engine = load_config(write(tmp_path, text + "cuda_graphs = true\n")).engine
+    assert engine.compile and engine.cuda_graphs
+
+
 def test_acceleration_defaults_are_exact_fp32_eager():
     engine = Config().engine
     paths = (engine.dtype, engine.estimator, engine.compile, engine.llm)

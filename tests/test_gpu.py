@@ -41,14 +41,16 @@ def test_streaming_chunks_on_cuda_match_the_reference(tiny_model_dir, golden_dir
     assert all(np.isfinite(c.pcm).all() for c in chunks)
 
 
+@pytest.mark.parametrize("compile", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 6])
-def test_decode_graph_replays_match_the_eager_step(tiny_model_dir, rows):
-    """The captured CUDA graph of a bucket gives the eager batched step's logits, step after step."""
+def test_decode_graph_replays_match_the_eager_step(tiny_model_dir, rows, compile):
+    """The captured CUDA graph of a bucket (its kernels compiled by inductor first, `compile`) gives
+    the eager batched step's logits, step after step."""
     llm = load_llm(tiny_model_dir, "cuda")
     backbone, head = llm.llm.model.model, llm.llm_decoder
     hidden = backbone.config.hidden_size
     eager_pool, graph_pool = SlotKV(backbone, slots=8, capacity=64), SlotKV(backbone, slots=8, capacity=64)
-    graphs = DecodeGraphs(graph_pool, head, max_rows=8)
+    graphs = DecodeGraphs(graph_pool, head, max_rows=8, compile=compile)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randn(1, 5 + 4 * i, hidden, generator=gen).cuda() for i in range(rows)]
     eager_rows, graph_rows = [], []
@@ -65,9 +67,16 @@ def test_decode_graph_replays_match_the_eager_step(tiny_model_dir, rows):
 
 
 @pytest.mark.parametrize(
-    ("dtype", "cuda_graphs"), [("float32", False), ("float16", False), ("float32", True), ("bfloat16", True)]
+    ("dtype", "cuda_graphs", "compile"),
+    [
+        ("float32", False, False),
+        ("float16", False, False),
+        ("float32", True, False),
+        ("bfloat16", True, False),
+        ("bfloat16", True, True),  # the captured decode step compiled first
+    ],
 )
-def test_the_engine_speaks_on_cuda(tiny_model_dir, golden_dir, tmp_path, dtype, cuda_graphs):
+def test_the_engine_speaks_on_cuda(tiny_model_dir, golden_dir, tmp_path, dtype, cuda_graphs, compile):
     model_dir = build_speaking_model_dir(tiny_model_dir, golden_dir, tmp_path / "cv2")
     config = Config(
         engine=EngineConfig(
@@ -76,6 +85,7 @@ def test_the_engine_speaks_on_cuda(tiny_model_dir, golden_dir, tmp_path, dtype, 
             device="cuda",
             dtype=dtype,
             cuda_graphs=cuda_graphs,
+            compile=compile,
             voices_dir=str(tmp_path),
         )
     )
@@ -94,3 +104,4 @@ def test_the_engine_speaks_on_cuda(tiny_model_dir, golden_dir, tmp_path, dtype, 
     assert pcm.size > 0 and np.isfinite(pcm).all() and np.abs(pcm).max() <= 1.0
     assert engine.backend.model.device.type == "cuda"
     assert (replays > 0) == cuda_graphs
+    assert graphs is None or graphs.compiled == compile

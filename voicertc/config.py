@@ -186,7 +186,8 @@ class EngineConfig:
         if self.model_name == "cosyvoice3":  # these paths exist for CosyVoice2's networks only
             _check(self.estimator == "torch", "engine.estimator", "must be torch for cosyvoice3")
             _check(self.llm == "torch", "engine.llm", "must be torch for cosyvoice3")
-            _check(not self.compile, "engine.compile", "is not supported for cosyvoice3")
+            ok_compile = not self.compile or self.cuda_graphs  # v3: the captured decode step only
+            _check(ok_compile, "engine.compile", "needs engine.cuda_graphs for cosyvoice3")
 
 
 @dataclass(frozen=True)

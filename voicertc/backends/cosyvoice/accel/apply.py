@@ -4,7 +4,8 @@ fp32 eager is the exact default and nothing here runs for it. Each option swaps 
 - estimator "onnx": the streaming estimator graph on ONNX Runtime (CPU), exported into `accel_dir` on
   first use; "tensorrt": the same graph as a TensorRT engine (CUDA only, never run yet);
 - compile: `torch.compile` of the compute leaves of the LLM layers and the flow estimator
-  (module.compile(): state-dict keys unchanged; dynamic shapes; see `compile_hot_modules`);
+  (module.compile(): state-dict keys unchanged; dynamic shapes; see `compile_hot_modules`); with
+  `cuda_graphs` instead the captured decode step is compiled whole (`llm.graphs.DecodeGraphs`);
 - llm "vllm" / "thread": not here: `engine_backend.llm_streamer` builds the token streamer
   (`llm_stream`); vLLM's model is exported into `accel_dir/vllm` on first use (`vllm_export_dir`).
 """
@@ -86,7 +87,7 @@ def apply_accel(model: CosyVoice2Model, engine: EngineConfig) -> None:
         fp16 = engine.dtype != "float32"
         runner = TensorRTEstimator(estimator_onnx(engine), GraphLayout.of(estimator), fp16=fp16)
         model.flow.decoder.estimator_runner = runner
-    if engine.compile:
+    if engine.compile and not engine.cuda_graphs:  # with graphs: the captured decode step is compiled whole
         compile_hot_modules(model, estimator=engine.estimator == "torch")
     logger.info(
         "engine paths: dtype %s, estimator %s, compile %s, llm %s",

@@ -9,11 +9,19 @@ positions) reallocates its K/V tensors and the graphs are captured again.
 
 On a CPU the same padded static step runs eagerly (no capture), which is what the CPU tests check
 against `SlotKV.forward`; on CUDA the gpu tests check that replay gives the eager tokens.
+
+`compile=True` (`[engine] compile` with `cuda_graphs`) runs the static step through `torch.compile`
+(inductor) before it is captured: the ~20 small kernels a layer (norms, rotary, the residual adds, the
+gated activation, the cache writes) become a few fused ones, and the capture replays those. One
+compile for one row and one for every larger bucket (the batch dimension is symbolic), both at warm-up;
+a CPU compiles it to C++ the same way (what the CPU tests check).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +35,8 @@ logger = logging.getLogger(__name__)
 # thread's CUDA work during a capture (the threaded LLM's decode) neither invalidates it nor fails in
 # that thread ("global", torch's default, forbids it process-wide)
 CAPTURE_ERROR_MODE = "thread_local"
+
+COMPILES_MAX = 64  # compiled static decode steps one process may hold (instances x pool generations x 2)
 
 
 def batch_buckets(max_rows: int) -> tuple[int, ...]:
@@ -57,7 +67,14 @@ class StaticStep:
 class DecodeGraphs:
     """Static-shape decode steps over `pool`, one per bucket; engine thread only."""
 
-    def __init__(self, pool: SlotKV, head: nn.Module, max_rows: int, capture: bool | None = None) -> None:
+    def __init__(
+        self,
+        pool: SlotKV,
+        head: nn.Module,
+        max_rows: int,
+        capture: bool | None = None,
+        compile: bool = False,
+    ) -> None:
         self.pool = pool
         self.head = head  # hidden [B, H] -> logits [B, V] (`llm_decoder`)
         self.buckets = batch_buckets(max_rows)
@@ -71,6 +88,14 @@ class DecodeGraphs:
         self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
         self.captures = 0
         self.replays = 0
+        self.compiled = compile
+        self._static_step: Callable[[Tensor, Tensor, Tensor], Tensor] = self._static_logits
+        if compile:  # no graph breaks: one fused program, or a clear error at warm-up
+            # dynamo keys its compiles on the code object and guards on this instance: every pool
+            # generation of every instance in the process compiles anew; past the recompile limit it
+            # would run the step eagerly without a word
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILES_MAX)
+            self._static_step = torch.compile(self._static_logits, fullgraph=True)
 
     def close(self) -> None:
         self._steps.clear()
@@ -115,7 +140,10 @@ class DecodeGraphs:
         return step.logits[: len(rows)].clone()
 
     def _forward(self, step: StaticStep) -> Tensor:
-        hidden = self.pool.run(step.index, step.positions, step.embeds, self.pool.capacity)
+        return self._static_step(step.index, step.positions, step.embeds)
+
+    def _static_logits(self, index: Tensor, positions: Tensor, embeds: Tensor) -> Tensor:
+        hidden = self.pool.run(index, positions, embeds, self.pool.capacity)
         return self.head(hidden[:, -1])
 
     def _replay(self, step: StaticStep) -> None:
@@ -136,23 +164,42 @@ class DecodeGraphs:
             positions=torch.zeros((rows, 1), dtype=torch.long, device=device),
             embeds=torch.zeros((rows, 1, self.hidden_size), dtype=dtype, device=device),
         )
+        if self.compiled:  # buckets of 2+ rows share one compile (0/1-sized dims are specialised)
+            for t in (step.index, step.positions, step.embeds):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         if self.capture:
             self._capture(step)
+        elif self.compiled:  # compile now (warm-up), not in the first call's step
+            self._timed_compile(step)
         self._steps[rows] = step
         return step
+
+    @torch.inference_mode()
+    def _timed_compile(self, step: StaticStep) -> None:
+        start = time.perf_counter()
+        self._forward(step)
+        logger.info("decode step of %d rows compiled in %.1f s", step.rows, time.perf_counter() - start)
 
     @torch.inference_mode()
     def _capture(self, step: StaticStep) -> None:
         """Warm up on a side stream (the pad inputs write only the scratch row), then capture."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        start = time.perf_counter()
+        with torch.cuda.stream(side):  # (a compiled step compiles and autotunes in the first call)
             for _ in range(2):
                 self._forward(step)
         torch.cuda.current_stream().wait_stream(side)
+        warm_s = time.perf_counter() - start
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode=CAPTURE_ERROR_MODE):
             step.logits = self._forward(step)
         step.graph = graph
         self.captures += 1
-        logger.info("captured the decode graph of %d rows (capacity %d)", step.rows, self.pool.capacity)
+        logger.info(
+            "captured the decode graph of %d rows (capacity %d; %s, warm-up %.1f s)",
+            step.rows,
+            self.pool.capacity,
+            "compiled" if self.compiled else "eager kernels",
+            warm_s,
+        )

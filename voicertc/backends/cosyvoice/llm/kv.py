@@ -1,11 +1,14 @@
 """The static, slot-based K/V cache of the speech LLM's Qwen2 backbone (`SlotKV`, one `KVSlot` a row).
 
 Runs on the engine thread. `SlotKV` preallocates keys/values for `slots` utterances x `capacity`
-positions ([layers, slots, kv_heads, capacity, head_dim]); each utterance holds one `KVSlot` (its row and
-its own length) for the life of its LLM session. `SlotKV.forward` runs the Qwen2 layers for several slots
-at once with ragged positions: each row's new keys/values are written at that row's length, and each
-query attends only to its own row's first `length + t + 1` positions (a boolean mask), so a batch of
-utterances at different positions computes exactly what each would alone.
+positions, one [slots, kv_heads, capacity, head_dim] tensor per layer (a new position is written into
+its layer's tensor in place, which a compiled step keeps in place too: writes into a view of one
+stacked tensor became a copy of the whole layer under `torch.compile`). Each utterance holds one
+`KVSlot` (its row and its own length) for the life of its LLM session. `SlotKV.forward` runs the
+Qwen2 layers for several slots at once with ragged positions: each row's new keys/values are written
+at that row's length, and each query attends only to its own row's first `length + t + 1` positions
+(a boolean mask), so a batch of utterances at different positions computes exactly what each would
+alone.
 
 Shapes stay static while nothing outgrows the pool (slots and capacity double when they must, which is
 what a CUDA-graph capture per batch bucket keys on, `llm.graphs`). The transformers modules are used for
@@ -81,22 +84,32 @@ class SlotKV:
         # fewer, larger kernels per layer where launches dominate (a GPU); None = on CUDA only
         use_fused = self.device.type == "cuda" if fused is None else fused
         self.fused = [FusedLayer.of(layer) for layer in self._decoder_layers()] if use_fused else None
-        self.k = self._zeros(slots, capacity)
-        self.v = self._zeros(slots, capacity)
+        self.keys = self._zeros(slots, capacity)  # per layer [slots, kv_heads, capacity, head_dim]
+        self.values = self._zeros(slots, capacity)
         self._free = list(range(slots - 1, -1, -1))
         self.grows = 0
 
-    def _zeros(self, slots: int, capacity: int) -> Tensor:
-        shape = (self.layers, slots, self.kv_heads, capacity, self.head_dim)
-        return torch.zeros(shape, device=self.device, dtype=self.dtype)
+    def _zeros(self, slots: int, capacity: int) -> list[Tensor]:
+        shape = (slots, self.kv_heads, capacity, self.head_dim)
+        return [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.layers)]
+
+    @property
+    def k(self) -> Tensor:
+        """Every layer's keys stacked [layers, slots, kv_heads, capacity, head_dim]: a copy (inspection)."""
+        return torch.stack(self.keys)
+
+    @property
+    def v(self) -> Tensor:
+        """Every layer's values stacked, like `k`: a copy."""
+        return torch.stack(self.values)
 
     @property
     def slots(self) -> int:
-        return self.k.shape[1]
+        return self.keys[0].shape[0]
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        return self.keys[0].shape[2]
 
     @property
     def in_use(self) -> int:
@@ -113,10 +126,10 @@ class SlotKV:
 
     def _resize(self, slots: int, capacity: int) -> None:
         old_slots, old_cap = self.slots, self.capacity
-        k, v = self._zeros(slots, capacity), self._zeros(slots, capacity)
-        k[:, :old_slots, :, :old_cap] = self.k
-        v[:, :old_slots, :, :old_cap] = self.v
-        self.k, self.v = k, v
+        keys, values = self._zeros(slots, capacity), self._zeros(slots, capacity)
+        for new, old in zip(keys + values, self.keys + self.values, strict=True):
+            new[:old_slots, :, :old_cap] = old
+        self.keys, self.values = keys, values
         self._free = list(range(slots - 1, old_slots - 1, -1)) + self._free
         self.grows += 1
         logger.info("LLM slot cache grown to %d slots x %d positions", slots, capacity)
@@ -134,8 +147,8 @@ class SlotKV:
         for i, layer in enumerate(cache.layers):
             if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
                 raise ValueError(f"layer {i} of the prefix cache holds no keys/values")
-            self.k[i, slot.index, :, :length] = layer.keys[0]
-            self.v[i, slot.index, :, :length] = layer.values[0]
+            self.keys[i][slot.index, :, :length] = layer.keys[0]
+            self.values[i][slot.index, :, :length] = layer.values[0]
         slot.length = length
 
     @property
@@ -266,9 +279,9 @@ class SlotKV:
         values [0, span) -> ([B, kv_heads, span, D], [B, kv_heads, span, D])."""
         rows = step.index[:, None].expand(k.shape[0], k.shape[1])
         # advanced indexing on (slot, position) puts those dims first: [B, T, kv_heads, D]
-        self.k[layer][rows, :, step.positions] = k
-        self.v[layer][rows, :, step.positions] = v
-        return self.k[layer, step.index, :, : step.span], self.v[layer, step.index, :, : step.span]
+        self.keys[layer][rows, :, step.positions] = k
+        self.values[layer][rows, :, step.positions] = v
+        return self.keys[layer][step.index, :, : step.span], self.values[layer][step.index, :, : step.span]
 
 
 @dataclass(frozen=True)

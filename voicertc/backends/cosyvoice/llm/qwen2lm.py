@@ -253,8 +253,8 @@ class Qwen2LM(nn.Module):
         yield from pool.forward_parts([row], embeds)
         cache = DynamicCache()
         for layer in range(pool.layers):
-            keys = pool.k[layer, row.index, :, :length].unsqueeze(0).clone()
-            values = pool.v[layer, row.index, :, :length].unsqueeze(0).clone()
+            keys = pool.keys[layer][row.index, :, :length].unsqueeze(0).clone()
+            values = pool.values[layer][row.index, :, :length].unsqueeze(0).clone()
             cache.update(keys, values, layer)
         return PrefixCache(prompt_text_tokens=ids, cache=cache)
 

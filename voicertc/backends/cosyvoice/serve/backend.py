@@ -125,6 +125,7 @@ class BackendOptions:
     max_segment_tokens: int | None = None  # hard cap on speech tokens per LLM call ([limits])
     speed_window_tokens: int = 500  # a speed-changed segment's flow call covers this many tokens at most
     cuda_graphs: bool = False  # every stage as CUDA graph replays (decode, flow, vocoder; CUDA only)
+    compile_steps: bool = False  # the static decode step compiled (inductor) before it is captured
     graph_rows: int = 16  # the largest bucket captured, in utterances (more rows run eagerly, counted)
     graph_memory_mb: float = 0.0  # flow + vocoder buckets together (0 = a quarter of the card)
     static_steps: bool = False  # flow + vocoder through the static-shape path without capture (CPU tests)
@@ -208,7 +209,8 @@ class CosyVoice2Backend:
             return None
         if self.model.device.type != "cuda":
             raise ConfigError("engine.cuda_graphs: CUDA graphs need a CUDA device (engine.device)")
-        return DecodeGraphs(self.kv, self.model.llm.llm_decoder, self.options.graph_rows)
+        head, rows = self.model.llm.llm_decoder, self.options.graph_rows
+        return DecodeGraphs(self.kv, head, rows, compile=self.options.compile_steps)
 
     # ---- voices -------------------------------------------------------------------------------
 
@@ -1077,6 +1079,7 @@ def backend_options(config: Config) -> BackendOptions:
     engine = config.engine
     return BackendOptions(
         cuda_graphs=engine.cuda_graphs,
+        compile_steps=engine.compile and engine.cuda_graphs,
         graph_rows=engine.max_batch,
         graph_memory_mb=engine.graph_memory_mb,
         max_segment_tokens=config.limits.max_speech_tokens_per_segment,

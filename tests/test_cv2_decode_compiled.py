@@ -1,0 +1,59 @@
+"""`[engine] compile` with `cuda_graphs`: the static decode step compiled by inductor before capture
+(`DecodeGraphs(compile=True)`), checked on CPU where inductor compiles the same graph to C++.
+
+The compiled step must give the eager batched step's logits and write the same keys/values into the
+pool's own tensors (in place: the pool's per-layer tensors are what a capture holds), and buckets of
+two and more rows must share one compile (the batch dimension symbolic), so warm-up compiles twice
+whatever `max_batch` is. The capture itself is CUDA's (tests/test_gpu_captured.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch.testing import assert_close
+
+from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs
+from voicertc.backends.cosyvoice.llm.kv import SlotKV
+from voicertc.backends.cosyvoice.load.v2 import load_llm
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return load_llm(tiny_model_dir)
+
+
+def _rows(pool: SlotKV, hidden: int, lengths: list[int]):
+    gen = torch.Generator().manual_seed(11)
+    rows = []
+    for n in lengths:
+        row = pool.acquire()
+        row.feed(torch.randn(1, n, hidden, generator=gen))
+        rows.append(row)
+    return rows
+
+
+def test_the_compiled_static_step_is_the_eager_step_and_writes_the_pool_in_place(llm):
+    backbone, head = llm.llm.model.model, llm.llm_decoder
+    hidden = backbone.config.hidden_size
+    eager = SlotKV(backbone, slots=8, capacity=64, fused=True)
+    static = SlotKV(backbone, slots=8, capacity=64, fused=True)
+    graphs = DecodeGraphs(static, head, max_rows=4, compile=True)
+    lengths = [6, 13, 20]
+    eager_rows, static_rows = _rows(eager, hidden, lengths), _rows(static, hidden, lengths)
+    layer_keys = list(static.keys)
+    graphs_before = counters["stats"]["unique_graphs"]
+    gen = torch.Generator().manual_seed(12)
+    for batch in (3, 2, 3, 2):  # buckets 4 and 2: one compile between them
+        embeds = torch.randn(batch, 1, hidden, generator=gen)
+        expected = head(eager.forward(eager_rows[:batch], embeds)[:, -1])
+        got = graphs.logits(static_rows[:batch], embeds)
+        assert_close(got, expected, atol=1e-4, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1
+    assert all(a is b for a, b in zip(static.keys, layer_keys, strict=True))  # written in place
+    for e, s in zip(eager_rows, static_rows, strict=True):
+        assert s.length == e.length
+        assert_close(static.k[:, s.index, :, : s.length], eager.k[:, e.index, :, : e.length])
+        assert_close(static.v[:, s.index, :, : s.length], eager.v[:, e.index, :, : e.length])
+    assert graphs.captures == 0 and graphs.replays == 4

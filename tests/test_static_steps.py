@@ -1,6 +1,7 @@
 """`StaticSteps` (the captured-steps mechanism, run without capture on CPU): results equal the eager
-step for every bucket; a step writes into static output buffers shared by the buckets (views of the
-largest), so a graph's own allocations are intermediates; a bucket past the budget allocates nothing."""
+step for every bucket; a step writes into static output buffers shared by the buckets (contiguous
+views of the largest's first elements), so a graph's own allocations are intermediates; a bucket past
+the budget allocates nothing."""
 
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ def test_buckets_equal_the_eager_step_and_share_static_outputs():
     for fn in capture.steps:
         for i, out in enumerate(fn()):
             assert out.untyped_storage().data_ptr() == big[i].untyped_storage().data_ptr()
+            assert out.is_contiguous()  # a compiled step's stride assumptions hold in every bucket
+    assert all(x.is_contiguous() for bucket in steps._buckets.values() for x in bucket.inputs)
 
 
 def test_a_bucket_past_the_budget_allocates_nothing_and_runs_eagerly():

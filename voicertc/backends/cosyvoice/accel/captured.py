@@ -17,6 +17,11 @@ largest bucket's working set rather than every bucket's outputs); `run_eagerly` 
 static step, not captured) on CPU, where the tests prove static == eager. A step that fails to capture
 (an op that syncs with the host, say) turns its stage eager for good, logged once and counted: the
 engine keeps speaking.
+
+`compile=True` (`[engine] compile` with `cuda_graphs`) runs the step through `torch.compile` (inductor,
+every input dimension symbolic: one compile serves every bucket) before it is captured, so a replay
+launches a few fused kernels where the eager step launched thousands of small ones; the compile
+happens in the first bucket's capture, at warm-up.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch import Tensor
 
 from voicertc.backends.cosyvoice.llm.graphs import CAPTURE_ERROR_MODE
@@ -82,6 +88,14 @@ class CudaCapture:
             return outputs
 
         return replay
+
+
+def compiled_step(fn: Callable[..., Outputs]) -> Callable[..., Outputs]:
+    """`fn` through inductor with every input dimension symbolic: one compile for every bucket. Sizes
+    that happen to be equal at the first call (2 rows and the K/V pair, 8 rows and 8 heads) are not
+    merged into one symbol (duck sizing would specialise both, and compile again per row bucket)."""
+    fx_config.use_duck_shape = False
+    return torch.compile(fn, fullgraph=True, dynamic=True)
 
 
 def row_bucket(rows: int, max_rows: int, smallest: int = 1) -> int | None:
@@ -141,9 +155,11 @@ class StaticSteps:
         capture: Capture = run_eagerly,
         budget: GraphBudget | None = None,
         pool_factor: float = 1.25,
+        compile: bool = False,
     ) -> None:
         self.name = name
-        self.fn = fn
+        self.fn = compiled_step(fn) if compile else fn
+        self.compiled = compile
         # each input's / output's row dimension (one int: the same for all, however many there are)
         self.in_row_dims = in_row_dims if isinstance(in_row_dims, int) else tuple(in_row_dims)
         self.out_row_dims = out_row_dims if isinstance(out_row_dims, int) else tuple(out_row_dims)
@@ -152,9 +168,10 @@ class StaticSteps:
         self.pool_factor = pool_factor  # static inputs + a share of the stage's one graph pool
         self.stats = StageStats()
         self._buckets: dict[Hashable, _Bucket] = {}
-        # static inputs by (position, shape, dtype): a bucket's input is a view of a buffer made for a
-        # bucket at least as large in every dimension (inputs are copied in right before each replay,
-        # and replays are sequential), so the buffers cost the largest bucket's inputs, not their sum
+        # static inputs by (position, shape, dtype): a bucket's input is a contiguous view of the first
+        # elements of a buffer made for a bucket at least as large (inputs are copied in right before
+        # each replay, and replays are sequential), so the buffers cost the largest bucket's inputs,
+        # not their sum; contiguous, every bucket's inputs have the strides a compiled step assumed
         self._buffers: dict[tuple[int, tuple[int, ...], torch.dtype], Tensor] = {}
         # static outputs likewise (outputs are cloned right after each replay): the step writes its
         # results into them, so what it allocates is an intermediate the graphs' shared pool reuses,
@@ -185,12 +202,13 @@ class StaticSteps:
     def _view(
         self, position: int, shape: list[int], like: Tensor, buffers: dict | None = None
     ) -> Tensor | None:
-        """A view of shape `shape` into a static buffer of this position (of `buffers`: the inputs'
-        by default) that holds it."""
-        for (i, held, dtype), buffer in (self._buffers if buffers is None else buffers).items():
-            if i == position and dtype == like.dtype and len(held) == len(shape):
-                if buffer.device == like.device and all(h >= n for h, n in zip(held, shape, strict=True)):
-                    return buffer[tuple(slice(0, n) for n in shape)]
+        """A contiguous view of shape `shape` on the first elements of a static buffer of this position
+        (of `buffers`: the inputs' by default) that is large enough."""
+        size = math.prod(shape)
+        for (i, _, dtype), buffer in (self._buffers if buffers is None else buffers).items():
+            if i == position and dtype == like.dtype and buffer.device == like.device:
+                if buffer.numel() >= size:
+                    return buffer.view(-1)[:size].view(shape)
         return None
 
     def _load(self, static: Sequence[Tensor], inputs: Sequence[Tensor], rows: int, padded_rows: int) -> None:

@@ -116,6 +116,7 @@ class CapturedEstimator(GraphEstimator):
         capture: Capture = run_eagerly,
         memory_mb: float = 2048.0,
         budget: GraphBudget | None = None,
+        compile: bool = False,
     ) -> None:
         super().__init__(module.layout)
         self.module = module
@@ -128,6 +129,7 @@ class CapturedEstimator(GraphEstimator):
             OUT_ROW_DIMS,
             capture=capture,
             budget=budget or GraphBudget(limit_bytes=int(memory_mb * 2**20)),
+            compile=compile,
         )
         self._positions_key: tuple[object, ...] | None = None
         self._positions: tuple[Tensor, list[Tensor]] | None = None  # bias, [tail, rope...]

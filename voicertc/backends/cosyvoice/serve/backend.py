@@ -125,7 +125,7 @@ class BackendOptions:
     max_segment_tokens: int | None = None  # hard cap on speech tokens per LLM call ([limits])
     speed_window_tokens: int = 500  # a speed-changed segment's flow call covers this many tokens at most
     cuda_graphs: bool = False  # every stage as CUDA graph replays (decode, flow, vocoder; CUDA only)
-    compile_steps: bool = False  # the static decode step compiled (inductor) before it is captured
+    compile_steps: bool = False  # the static decode and flow steps compiled (inductor) before capture
     graph_rows: int = 16  # the largest bucket captured, in utterances (more rows run eagerly, counted)
     graph_memory_mb: float = 0.0  # flow + vocoder buckets together (0 = a quarter of the card)
     static_steps: bool = False  # flow + vocoder through the static-shape path without capture (CPU tests)
@@ -202,6 +202,7 @@ class CosyVoice2Backend:
             self.options.graph_rows,
             self.options.graph_memory_mb,
             CudaCapture() if cuda else run_eagerly,
+            compile=self.options.compile_steps,
         )
 
     def _decode_graphs(self) -> DecodeGraphs | None:

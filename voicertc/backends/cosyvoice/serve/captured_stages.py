@@ -90,9 +90,10 @@ def budget_mb(memory_mb: float, device: torch.device) -> float:
 
 
 def install_captured_steps(
-    model: CosyVoice2Model, max_utterances: int, memory_mb: float, capture: Capture
+    model: CosyVoice2Model, max_utterances: int, memory_mb: float, capture: Capture, compile: bool = False
 ) -> CapturedStages:
-    """Put the captured flow estimator and HiFT decode in place on `model` (where its parts allow)."""
+    """Put the captured flow estimator and HiFT decode in place on `model` (where its parts allow);
+    `compile`: the flow step compiled by inductor before its captures."""
     budget = GraphBudget(limit_bytes=int(budget_mb(memory_mb, model.device) * 2**20))
     flow = None
     decoder = model.flow.decoder
@@ -100,7 +101,7 @@ def install_captured_steps(
     if decoder.estimator_runner is None and isinstance(estimator, (CausalConditionalDecoder, DiT)):
         flow = CapturedEstimator(
             StreamingEstimator(estimator), buckets=Buckets(max_rows=2 * max_utterances), capture=capture,
-            budget=budget,
+            budget=budget, compile=compile,
         )  # fmt: skip
         decoder.estimator_runner = flow
     hift: CapturedHiftDecode | CapturedCausalHift | None = None
@@ -110,9 +111,10 @@ def install_captured_steps(
     elif isinstance(model.hift, CausalHiFTGenerator) and model.hift.synthesis_runner is None:
         hift = CapturedCausalHift(model.hift, max_rows=max_utterances, capture=capture, budget=budget)
         model.hift.synthesis_runner = hift
+    flow_mode = ("compiled" if compile else "on") if flow else "off"
     logger.info(
         "captured steps: flow %s, vocoder %s, budget %.0f MB",
-        "on" if flow else "off", "on" if hift else "off", budget.limit_bytes / 2**20,
+        flow_mode, "on" if hift else "off", budget.limit_bytes / 2**20,
     )  # fmt: skip
     return CapturedStages(budget, flow, hift)
 

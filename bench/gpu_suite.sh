@@ -14,7 +14,8 @@
 # (4) `bench.cv2_load --concurrency 1 8 16` (bfloat16 + CUDA graphs), (5)/(6) `bench.peer_official` in
 # float32 and in bfloat16 (the official side: its fp16 path), (7) `bench.cv2_load --concurrency 32 64`,
 # then the compiled static steps (`[engine] compile` with `cuda_graphs`; minutes of compiling each, so
-# last and only when named in STEPS): decode_compiled (`bench.cv2_llm_batch --graphs`, eager kernels
+# last and only when named in STEPS): pytest_gpu_compiled (the GPU tests of compiled steps; pytest_gpu
+# leaves them out), decode_compiled (`bench.cv2_llm_batch --graphs`, eager kernels
 # then compiled, rows 1 16 32), cv2_stream_compiled, cv2_load_compiled (LEVELS_SMALL).
 # cv2_load writes its JSON only at its end, so its levels are split in two steps and the large ones go
 # last: a timeout there loses only them. A step that would start past the deadline is skipped; a step
@@ -218,7 +219,10 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
 
 step model_dir "$T_DIR" "$PYTHON" -m "${MAKE_DIR[@]}"
 step pytest_gpu "$T_TEST" "$PYTHON" -m pytest -q -m gpu tests/test_gpu*.py -p no:cacheprovider \
-    --junitxml="$PACK/pytest_gpu.xml"
+    -k "not compiled" --junitxml="$PACK/pytest_gpu.xml"
+# the compiled steps' GPU tests (inductor compiles: minutes): only when named in STEPS
+[ -n "${STEPS:-}" ] && step pytest_gpu_compiled "$T_COMPILED" "$PYTHON" -m pytest -q -m gpu tests/test_gpu*.py \
+    -p no:cacheprovider -k compiled --junitxml="$PACK/pytest_gpu_compiled.xml"
 if [ "$SUITE" = v3 ]; then
     step cv3_load "$T_LOAD" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD_V3[@]}" \
         --concurrency "${LEVELS_SMALL[@]}"

@@ -62,21 +62,6 @@ def test_a_streamed_utterance_through_static_steps_equals_the_eager_dit(flow, g)
     assert len(runner.input_names) == 11  # the UNet's 9 + the rotary angles
 
 
-def test_the_dit_compiled_before_capture_equals_the_eager_dit(flow, g):
-    """`[engine] compile` with `cuda_graphs`: the same buckets through inductor (C++ here), one compile."""
-    from torch._dynamo.utils import counters
-
-    flow.decoder.estimator_runner = None
-    eager = _stream(flow, g)
-    module = StreamingEstimator(flow.decoder.estimator)
-    runner = CapturedEstimator(module, buckets=Buckets(max_rows=4), compile=True)
-    graphs_before = counters["stats"]["unique_graphs"]
-    got = _with(flow, runner, lambda: _stream(flow, g))
-    assert (got - eager).abs().max().item() <= TOL
-    assert runner.stats.replays > 0 and runner.stats.eager == 0 and len(runner.stats.by_shape) >= 2
-    assert counters["stats"]["unique_graphs"] - graphs_before == 1
-
-
 def test_two_utterances_at_different_positions_in_one_batch_equal_each_alone(flow, g):
     flow.decoder.estimator_runner = None
     prompt = (g["in_prompt_token"].long(), g["in_prompt_feat"], g["in_embedding"])

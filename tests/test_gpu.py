@@ -41,7 +41,7 @@ def test_streaming_chunks_on_cuda_match_the_reference(tiny_model_dir, golden_dir
     assert all(np.isfinite(c.pcm).all() for c in chunks)
 
 
-@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("compile", [False, True], ids=["kernels", "compiled"])
 @pytest.mark.parametrize("rows", [1, 3, 6])
 def test_decode_graph_replays_match_the_eager_step(tiny_model_dir, rows, compile):
     """The captured CUDA graph of a bucket (its kernels compiled by inductor first, `compile`) gives
@@ -73,7 +73,7 @@ def test_decode_graph_replays_match_the_eager_step(tiny_model_dir, rows, compile
         ("float16", False, False),
         ("float32", True, False),
         ("bfloat16", True, False),
-        ("bfloat16", True, True),  # the captured decode step compiled first
+        pytest.param("bfloat16", True, True, id="bfloat16-graphs-compiled"),  # decode + flow compiled first
     ],
 )
 def test_the_engine_speaks_on_cuda(tiny_model_dir, golden_dir, tmp_path, dtype, cuda_graphs, compile):

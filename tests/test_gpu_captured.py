@@ -111,12 +111,13 @@ def test_causal_hift_replays_equal_the_eager_stream_on_cuda(tiny_cv3_model_dir):
         assert (g - e).abs().max().item() <= 1e-4
 
 
-def started_captured_engine(backend: str, model_dir, voices_dir, max_batch: int):
-    """An engine on CUDA in bfloat16 with every stage captured, started (warm-up done)."""
+def started_captured_engine(backend: str, model_dir, voices_dir, max_batch: int, compile: bool = False):
+    """An engine on CUDA in bfloat16 with every stage captured (`compile`: decode and flow steps
+    compiled first), started (warm-up done)."""
     config = Config(
         engine=EngineConfig(
             backend=backend, model_dir=str(model_dir), device="cuda", dtype="bfloat16",
-            cuda_graphs=True, voices_dir=str(voices_dir), max_batch=max_batch,
+            cuda_graphs=True, compile=compile, voices_dir=str(voices_dir), max_batch=max_batch,
         )
     )  # fmt: skip
     engine = create_engine(config)
@@ -160,12 +161,14 @@ def test_thirty_two_utterances_at_once_complete(captured_engine):
         assert pcm.size > 0 and np.isfinite(pcm).all()
 
 
-def test_cosyvoice3_captures_its_buckets_before_ready_and_speaks(tmp_path):
+@pytest.mark.parametrize("compile", [False, True], ids=["kernels", "compiled"])
+def test_cosyvoice3_captures_its_buckets_before_ready_and_speaks(tmp_path, compile):
     """v3 warms the same captured stages as v2 before the engine says ready (it once skipped them and
-    captured every bucket on first use, in the first callers' time to first audio)."""
+    captured every bucket on first use, in the first callers' time to first audio); compiled too."""
     from bench.make_tiny_cv3_model_dir import make_tiny_cv3_model_dir
 
-    engine = started_captured_engine("cosyvoice3", make_tiny_cv3_model_dir(tmp_path / "cv3"), tmp_path, 4)
+    model_dir = make_tiny_cv3_model_dir(tmp_path / "cv3")
+    engine = started_captured_engine("cosyvoice3", model_dir, tmp_path, 4, compile=compile)
     try:
         backend = engine.backend
         warmed = backend.captured.stats()
@@ -179,5 +182,6 @@ def test_cosyvoice3_captures_its_buckets_before_ready_and_speaks(tmp_path):
         assert pcm.size > 0 and np.isfinite(pcm).all()
         assert backend.captured.stats()["flow"].replays > 0
         assert backend.captured.stats()["vocoder"].replays > 0
+        assert backend.captured.flow is not None and backend.captured.flow.steps.compiled == compile
     finally:
         engine.stop()

@@ -57,3 +57,25 @@ def test_the_compiled_static_step_is_the_eager_step_and_writes_the_pool_in_place
         assert_close(static.k[:, s.index, :, : s.length], eager.k[:, e.index, :, : e.length])
         assert_close(static.v[:, s.index, :, : s.length], eager.v[:, e.index, :, : e.length])
     assert graphs.captures == 0 and graphs.replays == 4
+
+
+def test_a_pool_growing_under_the_compiled_step_does_not_compile_it_again(llm):
+    """Slots and positions are symbols of the compiled step: growing the pool while calls speak costs
+    a capture, not a compile (a minute of the engine thread on a GPU)."""
+    backbone, head = llm.llm.model.model, llm.llm_decoder
+    hidden = backbone.config.hidden_size
+    eager = SlotKV(backbone, slots=2, capacity=16, fused=True)
+    static = SlotKV(backbone, slots=2, capacity=16, fused=True)
+    graphs = DecodeGraphs(static, head, max_rows=2, compile=True)
+    eager_rows, static_rows = _rows(eager, hidden, [14, 3]), _rows(static, hidden, [14, 3])
+    gen = torch.Generator().manual_seed(13)
+    compiles = []
+    for _ in range(5):  # the 14-position row passes 16: the pool doubles its capacity
+        graphs_before = counters["stats"]["unique_graphs"]
+        embeds = torch.randn(2, 1, hidden, generator=gen)
+        expected = head(eager.forward(eager_rows, embeds)[:, -1])
+        assert_close(graphs.logits(static_rows, embeds), expected, atol=1e-4, rtol=1e-5)
+        compiles.append(counters["stats"]["unique_graphs"] - graphs_before)
+    assert static.capacity == 32 and static.generation > 0
+    # the first step compiles (or reuses this module's compile: the same shapes); the grown pool does not
+    assert compiles[0] <= 1 and compiles[1:] == [0, 0, 0, 0]

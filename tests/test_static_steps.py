@@ -58,3 +58,17 @@ def test_a_bucket_past_the_budget_allocates_nothing_and_runs_eagerly():
     assert steps.run(16, [x, y]) is None
     assert steps._buffers == {} and steps._out_buffers == {}
     assert steps.stats.eager == 1 and steps.stats.captures == 0
+
+
+def test_buckets_made_under_inference_mode_hold_ordinary_tensors():
+    """A bucket made while calls speak (inference mode) holds the same kind of buffers as one made at
+    warm-up: a compiled step guards on the kind, and would compile again on the engine thread."""
+    steps = StaticSteps("test", step, in_row_dims=(0, 1), out_row_dims=(0, 0))
+    x, y = inputs(2, seed=2)
+    steps.run(2, [x, y])
+    with torch.inference_mode():
+        x, y = inputs(8, seed=3)  # larger: new buffers, made in inference mode
+        got = steps.run(8, [x, y])
+    assert got is not None and len(steps._buffers) == 4
+    buffers = [*steps._buffers.values(), *steps._out_buffers.values()]
+    assert not any(b.is_inference() for b in buffers)

@@ -234,7 +234,7 @@ class StaticSteps:
         if not self.budget.take(size):  # before anything is allocated: past the budget is eager, not OOM
             return None
         for i, shape, value in missing:
-            held[i] = self._buffers[(i, tuple(shape), value.dtype)] = value.new_zeros(shape)
+            held[i] = self._buffers[(i, tuple(shape), value.dtype)] = _static_zeros(shape, value)
         static = [buffer for buffer in held if buffer is not None]
         # capture on this call's inputs: a shared buffer may hold another bucket's (e.g. indices past
         # this bucket's frames), and the warm-up runs of a capture compute on them
@@ -273,11 +273,19 @@ class StaticSteps:
         for i, result in enumerate(results):
             buffer = self._view(i, list(result.shape), result, self._out_buffers)
             if buffer is None:
-                buffer = torch.zeros_like(result, memory_format=torch.contiguous_format)
+                buffer = _static_zeros(list(result.shape), result)
                 self._out_buffers[(i, tuple(result.shape), result.dtype)] = buffer
                 allocated += buffer.numel() * buffer.element_size()
             outputs.append(buffer)
         return tuple(outputs), allocated
+
+
+def _static_zeros(shape: list[int], like: Tensor) -> Tensor:
+    """A contiguous zero buffer like `like`: an ordinary tensor whether or not a bucket is made under
+    inference mode (at warm-up or while calls speak), so a compiled step meets the same kind of input in
+    every bucket (it guards on it, and would compile again)."""
+    with torch.inference_mode(False):
+        return torch.zeros(shape, dtype=like.dtype, device=like.device)
 
 
 def _dims(dims: tuple[int, ...] | int, count: int) -> tuple[int, ...]:

@@ -167,12 +167,21 @@ class DecodeGraphs:
         if self.compiled:  # buckets of 2+ rows share one compile (0/1-sized dims are specialised)
             for t in (step.index, step.positions, step.embeds):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
+            self._mark_pool_dynamic()
         if self.capture:
             self._capture(step)
         elif self.compiled:  # compile now (warm-up), not in the first call's step
             self._timed_compile(step)
         self._steps[rows] = step
         return step
+
+    def _mark_pool_dynamic(self) -> None:
+        """The pool's slots and positions as symbols of the compiled step: a pool that grows while
+        calls speak is captured again (milliseconds), not compiled again (a minute on the engine
+        thread)."""
+        for t in (*self.pool.keys, *self.pool.values):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+            torch._dynamo.maybe_mark_dynamic(t, 2)
 
     @torch.inference_mode()
     def _timed_compile(self, step: StaticStep) -> None:

@@ -91,7 +91,10 @@ class SlotKV:
 
     def _zeros(self, slots: int, capacity: int) -> list[Tensor]:
         shape = (slots, self.kv_heads, capacity, self.head_dim)
-        return [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.layers)]
+        # ordinary tensors even when a step grows the pool under inference mode: the same kind of
+        # tensor before and after a growth (a compiled step guards on it, and would compile again)
+        with torch.inference_mode(False):
+            return [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.layers)]
 
     @property
     def k(self) -> Tensor:

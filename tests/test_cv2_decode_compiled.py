@@ -79,3 +79,25 @@ def test_a_pool_growing_under_the_compiled_step_does_not_compile_it_again(llm):
     assert static.capacity == 32 and static.generation > 0
     # the first step compiles (or reuses this module's compile: the same shapes); the grown pool does not
     assert compiles[0] <= 1 and compiles[1:] == [0, 0, 0, 0]
+
+
+def test_after_warm_up_a_step_that_would_compile_runs_uncompiled_and_is_counted(llm):
+    """Sealed (warm-up over), a bucket never compiled (one row, here: only the 2-row bucket was
+    warmed) runs the uncompiled static step instead of holding the engine thread for a compile."""
+    backbone, head = llm.llm.model.model, llm.llm_decoder
+    hidden = backbone.config.hidden_size
+    eager = SlotKV(backbone, slots=4, capacity=32, fused=True)
+    static = SlotKV(backbone, slots=4, capacity=32, fused=True)
+    graphs = DecodeGraphs(static, head, max_rows=2, compile=True)
+    eager_rows, static_rows = _rows(eager, hidden, [5, 9]), _rows(static, hidden, [5, 9])
+    gen = torch.Generator().manual_seed(14)
+    embeds = torch.randn(2, 1, hidden, generator=gen)
+    assert_close(graphs.logits(static_rows, embeds), head(eager.forward(eager_rows, embeds)[:, -1]))
+    graphs.seal()
+    graphs_before = counters["stats"]["unique_graphs"]
+    for _ in range(2):
+        embeds = torch.randn(1, 1, hidden, generator=gen)
+        expected = head(eager.forward(eager_rows[:1], embeds)[:, -1])
+        assert_close(graphs.logits(static_rows[:1], embeds), expected, atol=1e-4, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == graphs_before  # nothing compiled after the seal
+    assert graphs.uncompiled == 1 and not graphs._steps[1].compiled and graphs._steps[2].compiled

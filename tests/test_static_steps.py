@@ -72,3 +72,22 @@ def test_buckets_made_under_inference_mode_hold_ordinary_tensors():
     assert got is not None and len(steps._buffers) == 4
     buffers = [*steps._buffers.values(), *steps._out_buffers.values()]
     assert not any(b.is_inference() for b in buffers)
+
+
+def test_sealed_a_bucket_that_would_compile_again_runs_uncompiled_and_is_counted():
+    """`compile=True`: every bucket shares one compile; after `seal` (warm-up over) a bucket whose
+    inputs would make it compile again (other dtypes here) is made from the uncompiled step."""
+    from torch._dynamo.utils import counters
+
+    steps = StaticSteps("test", step, in_row_dims=(0, 1), out_row_dims=(0, 0), compile=True)
+    for rows in (2, 4):
+        x, y = inputs(rows, seed=rows)
+        got = steps.run(rows, [x, y])
+        assert got is not None and all(torch.allclose(g, e) for g, e in zip(got, step(x, y), strict=True))
+    steps.seal()
+    graphs_before = counters["stats"]["unique_graphs"]
+    x, y = (t.double() for t in inputs(8, seed=8))
+    got = steps.run(8, [x, y])
+    assert got is not None and all(torch.allclose(g, e) for g, e in zip(got, step(x, y), strict=True))
+    assert counters["stats"]["unique_graphs"] == graphs_before
+    assert steps.stats.uncompiled == 1 and steps.stats.captures == 3

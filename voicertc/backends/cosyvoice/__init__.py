@@ -28,6 +28,8 @@ Floor plan (data flows down the list: text -> speech_tokens -> mel -> wav -> pcm
              streaming token -> PCM pipeline), streams.py (token2wav_stream for either), modes.py
              (LLM prompt per mode), device_lane.py (CUDA streams)
     accel/   the exporters and runners backends use: apply.py ([engine] estimator/compile),
+             captured.py (StaticSteps: captured static-shape steps), compiled.py (inductor-compiled
+             steps, sealed after warm-up),
              onnx_export.py + flow_onnx_export.py + hift_onnx_export.py, hift_ort.py, tensorrt_estimator.py,
              vllm_export.py
 

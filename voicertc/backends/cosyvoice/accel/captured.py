@@ -21,7 +21,8 @@ engine keeps speaking.
 `compile=True` (`[engine] compile` with `cuda_graphs`) runs the step through `torch.compile` (inductor,
 every input dimension symbolic: one compile serves every bucket) before it is captured, so a replay
 launches a few fused kernels where the eager step launched thousands of small ones; the compile
-happens in the first bucket's capture, at warm-up.
+happens in the first bucket's capture, at warm-up. After warm-up (`seal`) a bucket that would compile
+again is captured from the uncompiled step, counted (`accel.compiled`).
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.fx.experimental._config as fx_config
 from torch import Tensor
 
+from voicertc.backends.cosyvoice.accel.compiled import call_sealed, compiled_step
 from voicertc.backends.cosyvoice.llm.graphs import CAPTURE_ERROR_MODE
 
 logger = logging.getLogger(__name__)
@@ -90,14 +91,6 @@ class CudaCapture:
         return replay
 
 
-def compiled_step(fn: Callable[..., Outputs]) -> Callable[..., Outputs]:
-    """`fn` through inductor with every input dimension symbolic: one compile for every bucket. Sizes
-    that happen to be equal at the first call (2 rows and the K/V pair, 8 rows and 8 heads) are not
-    merged into one symbol (duck sizing would specialise both, and compile again per row bucket)."""
-    fx_config.use_duck_shape = False
-    return torch.compile(fn, fullgraph=True, dynamic=True)
-
-
 def row_bucket(rows: int, max_rows: int, smallest: int = 1) -> int | None:
     """The padded row count of a call: the next power of two >= rows (from `smallest`), capped at
     `max_rows`; None past it."""
@@ -130,6 +123,7 @@ class StageStats:
     replays: int = 0
     eager: int = 0  # calls outside every bucket (or past the budget): run with their exact shapes
     captures: int = 0
+    uncompiled: int = 0  # buckets captured from the uncompiled step (compiling again refused when sealed)
     capture_s: float = 0.0
     failed: str | None = None  # why a capture failed (the stage runs eagerly since)
     bytes: int = 0
@@ -158,8 +152,10 @@ class StaticSteps:
         compile: bool = False,
     ) -> None:
         self.name = name
+        self.raw_fn = fn
         self.fn = compiled_step(fn) if compile else fn
         self.compiled = compile
+        self.sealed = False  # warm-up is over: no bucket may compile again (`seal`)
         # each input's / output's row dimension (one int: the same for all, however many there are)
         self.in_row_dims = in_row_dims if isinstance(in_row_dims, int) else tuple(in_row_dims)
         self.out_row_dims = out_row_dims if isinstance(out_row_dims, int) else tuple(out_row_dims)
@@ -177,6 +173,11 @@ class StaticSteps:
         # results into them, so what it allocates is an intermediate the graphs' shared pool reuses,
         # instead of every bucket's outputs held in the pool for the life of its graph
         self._out_buffers: dict[tuple[int, tuple[int, ...], torch.dtype], Tensor] = {}
+
+    def seal(self) -> None:
+        """Warm-up is over: a bucket made from now on whose compiled step would compile again is
+        captured from the uncompiled step instead (a compile holds the engine thread for a minute)."""
+        self.sealed = True
 
     def run(self, padded_rows: int, inputs: Sequence[Tensor], branch: Hashable = None) -> Outputs | None:
         """The step's outputs for `inputs` (their real rows), or None: not captured (run it eagerly).
@@ -241,12 +242,13 @@ class StaticSteps:
         self._load(static, like, like[0].shape[in_dims[0]], padded_rows)
         started = time.perf_counter()
         try:
-            outputs, out_bytes = self._static_outputs(self.fn(*static))  # one eager run: their shapes
+            fn, first = self._first_run(static)
+            outputs, out_bytes = self._static_outputs(first)  # one eager run: their shapes
             size += out_bytes
             self.budget.used_bytes += out_bytes
 
             def step() -> Outputs:
-                for out, result in zip(outputs, self.fn(*static), strict=True):
+                for out, result in zip(outputs, fn(*static), strict=True):
                     out.copy_(result)
                 return outputs
 
@@ -265,6 +267,17 @@ class StaticSteps:
         self._buckets[key] = bucket = _Bucket(static, replay)
         logger.info("%s captured for %s (%.1f MB, %.0f ms)", self.name, key, size / 2**20, 1000 * seconds)
         return bucket
+
+    def _first_run(self, static: list[Tensor]) -> tuple[Callable[..., Outputs], Outputs]:
+        """The step this bucket captures (compiled, or uncompiled where sealed and compiling again)
+        and its first results."""
+        if not (self.compiled and self.sealed):
+            return self.fn, self.fn(*static)
+        results, compiled = call_sealed(self.fn, self.raw_fn, *static)
+        if compiled:
+            return self.fn, results
+        self.stats.uncompiled += 1
+        return self.raw_fn, results
 
     def _static_outputs(self, results: Outputs) -> tuple[Outputs, int]:
         """Static buffers (views of shared ones, as for inputs) shaped like a step's `results`, and the

@@ -13,8 +13,10 @@ against `SlotKV.forward`; on CUDA the gpu tests check that replay gives the eage
 `compile=True` (`[engine] compile` with `cuda_graphs`) runs the static step through `torch.compile`
 (inductor) before it is captured: the ~20 small kernels a layer (norms, rotary, the residual adds, the
 gated activation, the cache writes) become a few fused ones, and the capture replays those. One
-compile for one row and one for every larger bucket (the batch dimension is symbolic), both at warm-up;
-a CPU compiles it to C++ the same way (what the CPU tests check).
+compile for one row and one for every larger bucket (the batch dimension, the pool's slots and
+positions are symbolic), both at warm-up; after it (`seal`) a step that would compile again runs
+uncompiled (`accel.compiled.call_sealed`), counted. A CPU compiles it to C++ the same way (what the CPU
+tests check).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from voicertc.backends.cosyvoice.accel.compiled import call_sealed, compiled_step
 from voicertc.backends.cosyvoice.llm.kv import KVSlot, SlotKV
 
 logger = logging.getLogger(__name__)
@@ -35,8 +38,6 @@ logger = logging.getLogger(__name__)
 # thread's CUDA work during a capture (the threaded LLM's decode) neither invalidates it nor fails in
 # that thread ("global", torch's default, forbids it process-wide)
 CAPTURE_ERROR_MODE = "thread_local"
-
-COMPILES_MAX = 64  # compiled static decode steps one process may hold (instances x pool generations x 2)
 
 
 def batch_buckets(max_rows: int) -> tuple[int, ...]:
@@ -62,6 +63,7 @@ class StaticStep:
     embeds: Tensor  # [rows, 1, H]
     logits: Tensor | None = None  # [rows, V] (written by the step)
     graph: torch.cuda.CUDAGraph | None = None
+    compiled: bool = False  # runs the compiled step (else the uncompiled one)
 
 
 class DecodeGraphs:
@@ -88,14 +90,12 @@ class DecodeGraphs:
         self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
         self.captures = 0
         self.replays = 0
+        self.uncompiled = 0  # steps made after warm-up that run uncompiled (compiling again refused)
         self.compiled = compile
+        self.sealed = False
         self._static_step: Callable[[Tensor, Tensor, Tensor], Tensor] = self._static_logits
-        if compile:  # no graph breaks: one fused program, or a clear error at warm-up
-            # dynamo keys its compiles on the code object and guards on this instance: every pool
-            # generation of every instance in the process compiles anew; past the recompile limit it
-            # would run the step eagerly without a word
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILES_MAX)
-            self._static_step = torch.compile(self._static_logits, fullgraph=True)
+        if compile:  # the batch dimension marked dynamic per bucket (`_step`), the rest static
+            self._static_step = compiled_step(self._static_logits, dynamic=None)
 
     def close(self) -> None:
         self._steps.clear()
@@ -105,6 +105,10 @@ class DecodeGraphs:
         """Capture every bucket now (at start-up, not during the first calls)."""
         for rows in self.buckets:
             self._step(rows)
+
+    def seal(self) -> None:
+        """Warm-up is over: a step made from now on (a grown pool's) never compiles again."""
+        self.sealed = True
 
     @torch.inference_mode()
     def logits(self, rows: list[KVSlot], embeds: Tensor) -> Tensor:
@@ -140,7 +144,8 @@ class DecodeGraphs:
         return step.logits[: len(rows)].clone()
 
     def _forward(self, step: StaticStep) -> Tensor:
-        return self._static_step(step.index, step.positions, step.embeds)
+        fn = self._static_step if step.compiled else self._static_logits
+        return fn(step.index, step.positions, step.embeds)
 
     def _static_logits(self, index: Tensor, positions: Tensor, embeds: Tensor) -> Tensor:
         hidden = self.pool.run(index, positions, embeds, self.pool.capacity)
@@ -158,22 +163,35 @@ class DecodeGraphs:
         if step is not None:
             return step
         device, dtype = self.pool.device, self.pool.dtype
-        step = StaticStep(
-            rows=rows,
-            index=torch.full((rows,), self.scratch.index, dtype=torch.long, device=device),
-            positions=torch.zeros((rows, 1), dtype=torch.long, device=device),
-            embeds=torch.zeros((rows, 1, self.hidden_size), dtype=dtype, device=device),
-        )
+        with torch.inference_mode(False):  # ordinary tensors, at warm-up or not (a compile guards on it)
+            step = StaticStep(
+                rows=rows,
+                index=torch.full((rows,), self.scratch.index, dtype=torch.long, device=device),
+                positions=torch.zeros((rows, 1), dtype=torch.long, device=device),
+                embeds=torch.zeros((rows, 1, self.hidden_size), dtype=dtype, device=device),
+            )
         if self.compiled:  # buckets of 2+ rows share one compile (0/1-sized dims are specialised)
             for t in (step.index, step.positions, step.embeds):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
             self._mark_pool_dynamic()
+            step.compiled = self._compiles_within_seal(step)
         if self.capture:
             self._capture(step)
         elif self.compiled:  # compile now (warm-up), not in the first call's step
             self._timed_compile(step)
         self._steps[rows] = step
         return step
+
+    @torch.inference_mode()
+    def _compiles_within_seal(self, step: StaticStep) -> bool:
+        """Whether `step` runs the compiled step: always before `seal`; after it only if that needs
+        no compile (a probe on the step's pad inputs, which write only the scratch row)."""
+        if not self.sealed:
+            return True
+        inputs = (step.index, step.positions, step.embeds)
+        _, compiled = call_sealed(self._static_step, self._static_logits, *inputs)
+        self.uncompiled += not compiled
+        return compiled
 
     def _mark_pool_dynamic(self) -> None:
         """The pool's slots and positions as symbols of the compiled step: a pool that grows while
@@ -187,7 +205,8 @@ class DecodeGraphs:
     def _timed_compile(self, step: StaticStep) -> None:
         start = time.perf_counter()
         self._forward(step)
-        logger.info("decode step of %d rows compiled in %.1f s", step.rows, time.perf_counter() - start)
+        if step.compiled:
+            logger.info("decode step of %d rows compiled in %.1f s", step.rows, time.perf_counter() - start)
 
     @torch.inference_mode()
     def _capture(self, step: StaticStep) -> None:
@@ -209,6 +228,6 @@ class DecodeGraphs:
             "captured the decode graph of %d rows (capacity %d; %s, warm-up %.1f s)",
             step.rows,
             self.pool.capacity,
-            "compiled" if self.compiled else "eager kernels",
+            "compiled" if step.compiled else "eager kernels",
             warm_s,
         )

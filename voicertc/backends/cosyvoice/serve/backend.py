@@ -288,7 +288,7 @@ class CosyVoice2Backend:
                 dtype = next(self.model.flow.parameters()).dtype
                 self.captured.warm(self.schedule, self.options.graph_warm_keys, self.model.device, dtype)
             slot = self.kv.acquire()
-            try:
+            try:  # (this step's first prefill and decode run the compiled steps too: before the seal)
                 prompt = list(self.warm_up_prompt_ids)
                 self.model.llm.step(self.model.llm.prefill(prompt, sampling="greedy", kv=slot))
             finally:
@@ -300,6 +300,9 @@ class CosyVoice2Backend:
                 t2w.finish()
             finally:
                 t2w.release()
+            for stage in (self.graphs, self.captured):  # compiled steps never compile while calls speak
+                if stage is not None:
+                    stage.seal()
         logger.info("%s warmed up in %.0f ms", self.name, 1000 * (time.perf_counter() - started))
         free = log_context_headroom(self.model.device, per_s)
         if not self.options.max_streaming and free is not None:
@@ -410,10 +413,16 @@ class CosyVoice2Backend:
         """The captured stages' counts (/metrics): decode graphs, flow and vocoder steps."""
         counts = {}
         if self.graphs is not None:
-            counts["decode"] = {"replays": self.graphs.replays, "eager": 0, "captures": self.graphs.captures}
+            g = self.graphs
+            counts["decode"] = {
+                "replays": g.replays, "eager": 0, "captures": g.captures, "uncompiled": g.uncompiled
+            }  # fmt: skip
         if self.captured is not None:
             for name, st in self.captured.stats().items():
-                counts[name] = {"replays": st.replays, "eager": st.eager, "captures": st.captures}
+                counts[name] = {
+                    "replays": st.replays, "eager": st.eager, "captures": st.captures,
+                    "uncompiled": st.uncompiled,
+                }  # fmt: skip
         return counts
 
     def close(self) -> None:

@@ -72,11 +72,17 @@ class CapturedStages:
             self.budget.limit_bytes / 2**20,
         )  # fmt: skip
 
+    def seal(self) -> None:
+        """Warm-up is over: no captured stage compiles again (`accel.compiled`)."""
+        if self.flow is not None:
+            self.flow.steps.seal()
+
     def log_summary(self) -> None:
         for name, stats in self.stats().items():
             logger.info(
-                "captured %s: %d buckets, %.1f MB, %.0f ms capturing; %d replays, %d eager",
-                name, stats.captures, stats.bytes / 2**20, 1000 * stats.capture_s, stats.replays, stats.eager,
+                "captured %s: %d buckets (%d uncompiled after warm-up), %.1f MB, %.0f ms capturing; "
+                "%d replays, %d eager", name, stats.captures, stats.uncompiled, stats.bytes / 2**20,
+                1000 * stats.capture_s, stats.replays, stats.eager,
             )  # fmt: skip
 
 

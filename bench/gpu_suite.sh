@@ -15,7 +15,8 @@
 # float32 and in bfloat16 (the official side: its fp16 path), (7) `bench.cv2_load --concurrency 32 64`,
 # then the compiled static steps (`[engine] compile` with `cuda_graphs`; minutes of compiling each, so
 # last and only when named in STEPS): pytest_gpu_compiled (the GPU tests of compiled steps; pytest_gpu
-# leaves them out), decode_compiled (`bench.cv2_llm_batch --graphs`, eager kernels
+# leaves them out), step_kernels (`bench.step_kernels`: kernels per static step, eager vs compiled),
+# decode_compiled (`bench.cv2_llm_batch --graphs`, eager kernels
 # then compiled, rows 1 16 32), cv2_stream_compiled, cv2_load_compiled (LEVELS_SMALL).
 # cv2_load writes its JSON only at its end, so its levels are split in two steps and the large ones go
 # last: a timeout there loses only them. A step that would start past the deadline is skipped; a step
@@ -114,6 +115,7 @@ if [ "$DEV" = cpu ]; then
     PEER_FP32=(--device cpu --dtype float32 --tokens 100 --runs 2)
     PEER_HALF=(--device cpu --dtype bfloat16 --tokens 30 --runs 1 --no-official-floor --cuda-graphs)
     DECODE=(--device cpu --dtype float32 --graphs --batch 1 2 --steps 5 --warmup 1)
+    KERNEL_ROWS=(2)
     # seconds each step may take at most (the global deadline cuts them shorter)
     T_DIR=300 T_TEST=300 T_STREAM=300 T_PROBE=400 T_LOAD=400 T_PEER32=600 T_PEER16=600 T_LOAD_LARGE=400
     T_COMPILED=400
@@ -130,6 +132,7 @@ else
     PEER_FP32=(--device cuda --dtype float32 --tokens "${PEER_T[@]}" --runs "$PEER_R")
     PEER_HALF=(--device cuda --dtype bfloat16 --tokens "${PEER_T[@]}" --runs "$PEER_R" --no-official-floor --cuda-graphs)
     DECODE=(--device cuda --dtype bfloat16 --graphs --batch 1 16 32 --steps 30 --threads 8)
+    KERNEL_ROWS=(16)
     T_COMPILED=300  # inductor: ~1 min a decode graph (1 row, 2+ rows), ~80 s the flow step (H200, 2026-11-25)
     T_DIR=60 T_TEST=150 T_STREAM=50 T_PROBE=70 T_LOAD=110 T_PEER32=130 T_PEER16=110 T_LOAD_LARGE=240
 fi
@@ -250,6 +253,9 @@ step peer_bfloat16 "$T_PEER16" "$PYTHON" -m bench.peer_official --model-dir "$MO
 step cv2_load_large "$T_LOAD_LARGE" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD[@]}" \
     --concurrency "${LEVELS_LARGE[@]}"
 if [ -n "${STEPS:-}" ]; then  # compiling takes minutes: only when asked for by name
+    # kernels a static step launches, eager vs compiled (Triton kernels on CUDA), and the compile times
+    step step_kernels "$T_COMPILED" "$PYTHON" -m bench.step_kernels --model-dir "$MODEL_DIR" --device "$DEV" \
+        --rows "${KERNEL_ROWS[@]}"
     step decode_compiled "$T_COMPILED" bash -c '"$0" -m bench.cv2_llm_batch --model-dir "$1" "${@:2}" &&
         "$0" -m bench.cv2_llm_batch --model-dir "$1" "${@:2}" --compile' "$PYTHON" "$MODEL_DIR" "${DECODE[@]}"
     step cv2_stream_compiled "$T_COMPILED" "$PYTHON" -m bench.cv2_stream --model-dir "$MODEL_DIR" "${STREAM[@]}" --compile

@@ -30,6 +30,7 @@ from voicertc.backends.cosyvoice.accel.compiled import compiled_step
 from voicertc.backends.cosyvoice.accel.flow_onnx_export import example_inputs
 from voicertc.backends.cosyvoice.flow.flow import CausalFlow
 from voicertc.backends.cosyvoice.flow.graph import StreamingEstimator
+from voicertc.backends.cosyvoice.flow.qkv import fuse_qkv
 from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs
 from voicertc.backends.cosyvoice.llm.kv import SlotKV
 from voicertc.backends.cosyvoice.load.v2 import load_llm
@@ -106,6 +107,7 @@ def decode_rows(model_dir: str, rows: list[int], device: str) -> list[dict[str, 
 
 def flow_rows(model_dir: str, rows: list[int], device: str) -> list[dict[str, object]]:
     flow = CausalFlow.from_model_dir(model_dir, device)
+    fuse_qkv(flow.decoder.estimator)  # as the captured path installs it
     module = StreamingEstimator(flow.decoder.estimator).to(device)
     out = []
     for n in rows:  # n utterances: 2n CFG rows; a first chunk's shapes (64 new frames, 256 cached keys)

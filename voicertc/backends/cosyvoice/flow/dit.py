@@ -25,6 +25,7 @@ from voicertc.backends.cosyvoice.flow.config_v3 import (
     TIME_FREQ_DIM,
     DitConfig,
 )
+from voicertc.backends.cosyvoice.flow.qkv import init_qkv, project_qkv
 from voicertc.backends.cosyvoice.flow.unet import EstimatorCache, EstimatorParts, RowBatch
 from voicertc.engine.parts import run_to_end
 
@@ -175,6 +176,7 @@ class DiTAttention(nn.Module):
         self.to_k = nn.Linear(dim, inner)
         self.to_v = nn.Linear(dim, inner)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Dropout(0.0)])
+        init_qkv(self)  # q/k/v as one matmul once `fuse_qkv` stacked them (the captured path)
 
     def _split(self, x: Tensor) -> Tensor:
         return x.view(x.shape[0], x.shape[1], self.heads, self.dim_head).transpose(1, 2)
@@ -182,9 +184,10 @@ class DiTAttention(nn.Module):
     def forward(self, x: Tensor, batch: RowBatch, rope: tuple[Tensor, Tensor]) -> Tensor:
         # x: [B, T, D] -> [B, T, D]
         cos, sin = rope
-        q = self._split(apply_rotary(self.to_q(x), cos, sin))
-        k = self._split(apply_rotary(self.to_k(x), cos, sin))
-        out = batch.attend(self.slot, q, k, self._split(self.to_v(x)))
+        q_in, k_in, v_in = project_qkv(self, x)
+        q = self._split(apply_rotary(q_in, cos, sin))
+        k = self._split(apply_rotary(k_in, cos, sin))
+        out = batch.attend(self.slot, q, k, self._split(v_in))
         return self.to_out[0](out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 
 

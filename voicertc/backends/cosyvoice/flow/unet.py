@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from voicertc.backends.cosyvoice.flow.config import EstimatorConfig
 from voicertc.backends.cosyvoice.flow.encoder import chunk_attention_mask
 from voicertc.backends.cosyvoice.flow.kv import KVCache, two_segment_sdpa
+from voicertc.backends.cosyvoice.flow.qkv import init_qkv, project_qkv
 from voicertc.engine.parts import Parts, run_to_end
 
 EstimatorParts = Parts[Tensor]  # one estimator forward, a part per next(); returns the velocity
@@ -278,13 +279,14 @@ class Attention(nn.Module):
         self.to_k = nn.Linear(dim, inner, bias=False)
         self.to_v = nn.Linear(dim, inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Dropout(0.0)])
+        init_qkv(self)  # q/k/v as one matmul once `fuse_qkv` stacked them (the captured path)
 
     def _split(self, x: Tensor) -> Tensor:
         return x.view(x.shape[0], x.shape[1], self.heads, self.head_dim).transpose(1, 2)
 
     def forward(self, x: Tensor, batch: _Batch) -> Tensor:
         # x: [B, T, C] -> [B, T, C]
-        q, k, v = self._split(self.to_q(x)), self._split(self.to_k(x)), self._split(self.to_v(x))
+        q, k, v = (self._split(p) for p in project_qkv(self, x))
         out = batch.attend(self.slot, q, k, v)
         return self.to_out[0](out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 

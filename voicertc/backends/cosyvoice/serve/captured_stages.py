@@ -19,6 +19,7 @@ from voicertc.backends.cosyvoice.accel.captured import Capture, GraphBudget, Sta
 from voicertc.backends.cosyvoice.flow.captured import Buckets, CapturedEstimator
 from voicertc.backends.cosyvoice.flow.dit import DiT
 from voicertc.backends.cosyvoice.flow.graph import StreamingEstimator
+from voicertc.backends.cosyvoice.flow.qkv import fuse_qkv
 from voicertc.backends.cosyvoice.flow.unet import CausalConditionalDecoder
 from voicertc.backends.cosyvoice.hift.captured import CapturedHiftDecode
 from voicertc.backends.cosyvoice.hift.captured_causal import CapturedCausalHift
@@ -105,6 +106,7 @@ def install_captured_steps(
     decoder = model.flow.decoder
     estimator = decoder.estimator
     if decoder.estimator_runner is None and isinstance(estimator, (CausalConditionalDecoder, DiT)):
+        fuse_qkv(estimator)  # each attention block's q/k/v as one matmul (fewer launches per step)
         flow = CapturedEstimator(
             StreamingEstimator(estimator), buckets=Buckets(max_rows=2 * max_utterances), capture=capture,
             budget=budget, compile=compile,

@@ -24,6 +24,17 @@ def llm(tiny_model_dir):
     return load_llm(tiny_model_dir)
 
 
+def _pair(llm, slots: int, capacity: int, max_rows: int, lengths: list[int]):
+    """An eager pool and a compiled-step pool with the same rows: (head, hidden size, eager pool, its
+    rows, static pool, its rows, the compiled `DecodeGraphs`)."""
+    backbone, head = llm.llm.model.model, llm.llm_decoder
+    hidden = backbone.config.hidden_size
+    eager = SlotKV(backbone, slots=slots, capacity=capacity, fused=True)
+    static = SlotKV(backbone, slots=slots, capacity=capacity, fused=True)
+    graphs = DecodeGraphs(static, head, max_rows=max_rows, compile=True)
+    return head, hidden, eager, _rows(eager, hidden, lengths), static, _rows(static, hidden, lengths), graphs
+
+
 def _rows(pool: SlotKV, hidden: int, lengths: list[int]):
     gen = torch.Generator().manual_seed(11)
     rows = []
@@ -35,13 +46,7 @@ def _rows(pool: SlotKV, hidden: int, lengths: list[int]):
 
 
 def test_the_compiled_static_step_is_the_eager_step_and_writes_the_pool_in_place(llm):
-    backbone, head = llm.llm.model.model, llm.llm_decoder
-    hidden = backbone.config.hidden_size
-    eager = SlotKV(backbone, slots=8, capacity=64, fused=True)
-    static = SlotKV(backbone, slots=8, capacity=64, fused=True)
-    graphs = DecodeGraphs(static, head, max_rows=4, compile=True)
-    lengths = [6, 13, 20]
-    eager_rows, static_rows = _rows(eager, hidden, lengths), _rows(static, hidden, lengths)
+    head, hidden, eager, eager_rows, static, static_rows, graphs = _pair(llm, 8, 64, 4, [6, 13, 20])
     layer_keys = list(static.keys)
     graphs_before = counters["stats"]["unique_graphs"]
     gen = torch.Generator().manual_seed(12)
@@ -62,12 +67,7 @@ def test_the_compiled_static_step_is_the_eager_step_and_writes_the_pool_in_place
 def test_a_pool_growing_under_the_compiled_step_does_not_compile_it_again(llm):
     """Slots and positions are symbols of the compiled step: growing the pool while calls speak costs
     a capture, not a compile (a minute of the engine thread on a GPU)."""
-    backbone, head = llm.llm.model.model, llm.llm_decoder
-    hidden = backbone.config.hidden_size
-    eager = SlotKV(backbone, slots=2, capacity=16, fused=True)
-    static = SlotKV(backbone, slots=2, capacity=16, fused=True)
-    graphs = DecodeGraphs(static, head, max_rows=2, compile=True)
-    eager_rows, static_rows = _rows(eager, hidden, [14, 3]), _rows(static, hidden, [14, 3])
+    head, hidden, eager, eager_rows, static, static_rows, graphs = _pair(llm, 2, 16, 2, [14, 3])
     gen = torch.Generator().manual_seed(13)
     compiles = []
     for _ in range(5):  # the 14-position row passes 16: the pool doubles its capacity
@@ -84,12 +84,7 @@ def test_a_pool_growing_under_the_compiled_step_does_not_compile_it_again(llm):
 def test_after_warm_up_a_step_that_would_compile_runs_uncompiled_and_is_counted(llm):
     """Sealed (warm-up over), a bucket never compiled (one row, here: only the 2-row bucket was
     warmed) runs the uncompiled static step instead of holding the engine thread for a compile."""
-    backbone, head = llm.llm.model.model, llm.llm_decoder
-    hidden = backbone.config.hidden_size
-    eager = SlotKV(backbone, slots=4, capacity=32, fused=True)
-    static = SlotKV(backbone, slots=4, capacity=32, fused=True)
-    graphs = DecodeGraphs(static, head, max_rows=2, compile=True)
-    eager_rows, static_rows = _rows(eager, hidden, [5, 9]), _rows(static, hidden, [5, 9])
+    head, hidden, eager, eager_rows, static, static_rows, graphs = _pair(llm, 4, 32, 2, [5, 9])
     gen = torch.Generator().manual_seed(14)
     embeds = torch.randn(2, 1, hidden, generator=gen)
     assert_close(graphs.logits(static_rows, embeds), head(eager.forward(eager_rows, embeds)[:, -1]))

@@ -8,10 +8,10 @@ ARGS ?=
 # The suite in four phases. First, two at a time: the real-time tests (calls, listening, the Ray
 # cluster) in one process at normal priority, and beside it, at the lowest CPU priority (SCHED_IDLE: it
 # runs only on a core nothing else wants; nice 19 where that policy is refused), the model tests
-# (CPU-bound, no clocks: parity, batching, exports) on two pytest-xdist workers, a module per worker at
-# a time, one torch thread each (tests/conftest.py), then the servers without clocks (below) on two
-# workers. The real-time process uses ~0.6 of the 2 cores on average; the idle-priority phases take only
-# what it leaves and have no clocks to miss. Last, once both are done, alone: the tests that bound a
+# (CPU-bound, no clocks: parity, batching, exports) and the servers without clocks (below) in one
+# session on two pytest-xdist workers, a module per worker at a time (the longest modules first:
+# NICED_FIRST), one torch thread each (tests/conftest.py). The real-time process uses ~0.6 of the 2
+# cores on average; the idle-priority phase takes only what it leaves and has no clocks to miss. Last, once both are done, alone: the tests that bound a
 # latency a listener hears (LATENCY_TESTS: browsers, barge-in, loopback calls). The background output
 # is printed when it ends (.test-logs/background.log). `make test ARGS="tests/test_call.py -x"` runs
 # just that.
@@ -24,9 +24,9 @@ PARALLEL_TESTS := $(filter-out tests/test_cv2_loopback.py tests/test_cv2_text_pr
 	tests/test_listen_pcm_hops.py tests/test_bf16_rotary.py tests/test_draw_one.py tests/test_static_steps.py \
 	tests/test_step_budget.py tests/test_bf16_euler.py tests/test_dtx_schedule.py tests/test_track_dtx.py \
 	tests/test_grouped_attention.py tests/test_slot_kv_fused.py tests/test_flow_context_bytes.py \
-	tests/test_flow_qkv.py
-# Servers without clocks (schemas, config, voices): two workers, a module per worker, beside nothing that
-# measures playback. The Ray modules stay serial: a client joins the newest cluster on the host
+	tests/test_flow_qkv.py tests/test_flow_step_inputs.py
+# Servers without clocks (schemas, config, voices): with the model tests, beside nothing that measures
+# playback. The Ray modules stay serial: a client joins the newest cluster on the host
 # (`address = "auto"`), so two Ray modules at once would cross their clusters.
 SERVER_TESTS := tests/test_config.py \
 	tests/test_container.py tests/test_cors.py tests/test_turn.py tests/test_voice_api.py \
@@ -35,6 +35,12 @@ SERVER_TESTS := tests/test_config.py \
 	tests/test_batch_metrics.py tests/test_step_metrics.py tests/test_stream_sink.py tests/test_readyz.py \
 	tests/test_remote_config.py tests/test_engine_commands.py tests/test_embed_voices.py \
 	tests/test_listen_config.py tests/test_engine_command_parts.py
+# The idle-priority session's longest modules (20-35 s each on this VM), handed out first so that no
+# worker ends the phase alone with one of them.
+NICED_FIRST := tests/test_voice_api.py tests/test_cv2_flow_incremental.py tests/test_cv2_engine.py \
+	tests/test_cv2_accel_engine.py tests/test_cv2_flow_compiled.py tests/test_export_vllm.py \
+	tests/test_cv3_bistream_api.py tests/test_cv2_voice_prompt_parts.py
+NICED_TESTS := $(NICED_FIRST) $(filter-out $(NICED_FIRST),$(PARALLEL_TESTS) $(SERVER_TESTS))
 # The real-time tests that bound a latency a listener hears (browsers, barge-in, loopback calls), and
 # the Ray cluster restart under a live call (it once missed its 20 s bound beside the model phase): the
 # last phase, with nothing beside them.
@@ -48,7 +54,7 @@ IDLE := $(shell chrt --idle 0 true >/dev/null 2>&1 && echo chrt --idle 0)
 NICE_PYTEST = HF_HUB_OFFLINE=1 $(IDLE) nice -n 19 $(OFFLINE) $(BIN)/python -m pytest -q
 # As root (CI), the suite runs in a network namespace with no way out (tests/offline_netns.sh), which
 # proves the server, the browser test and the bundled models need nothing beyond loopback.
-# The niced phases' own temporary roots (pytest keeps only its 3 newest default ones: never another's).
+# The niced session's own temporary root (pytest keeps only its 3 newest default ones: never another's).
 TMP_BG := /tmp/voicertc-test-$(shell id -u)
 OFFLINE := $(shell tests/offline_netns.sh true >/dev/null 2>&1 && echo tests/offline_netns.sh)
 
@@ -61,12 +67,11 @@ serve: install
 test: install-dev chromium coturn typecheck lint
 ifeq ($(strip $(ARGS)),)
 	@mkdir -p .test-logs $(TMP_BG)
-	@( $(NICE_PYTEST) -n 2 --dist loadscope --durations=10 --basetemp=$(TMP_BG)/model $(PARALLEL_TESTS); \
-	   model=$$?; $(NICE_PYTEST) -n 2 --dist loadscope --durations=10 --basetemp=$(TMP_BG)/server $(SERVER_TESTS); \
-	   test $$model = 0 -a $$? = 0 ) >.test-logs/background.log 2>&1 & background=$$!; \
+	@$(NICE_PYTEST) -n 2 --dist loadscope --durations=15 --basetemp=$(TMP_BG)/niced $(NICED_TESTS) \
+	   >.test-logs/background.log 2>&1 & background=$$!; \
 	 $(PYTEST) --durations=20 $(SERIAL_TESTS); realtime=$$?; \
 	 wait $$background; niced=$$?; \
-	 echo "=== the model and server phases (idle priority, beside the real-time phase) ==="; \
+	 echo "=== the model and server tests (idle priority, beside the real-time phase) ==="; \
 	 cat .test-logs/background.log; \
 	 echo "=== the latency-bounding tests, alone ==="; \
 	 $(PYTEST) --durations=10 $(LATENCY_TESTS); latency=$$?; \

@@ -23,6 +23,10 @@ every input dimension symbolic: one compile serves every bucket) before it is ca
 launches a few fused kernels where the eager step launched thousands of small ones; the compile
 happens in the first bucket's capture, at warm-up. After warm-up (`seal`) a bucket that would compile
 again is captured from the uncompiled step, counted (`accel.compiled`).
+
+An input may also be a `FillsBuffer` instead of a tensor: something gathered from several places (the
+flow's cached keys and values of every utterance in the batch) that writes itself straight into the
+bucket's static buffer, so it is copied once instead of being made whole and then copied in.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import math
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -45,6 +49,34 @@ logger = logging.getLogger(__name__)
 Outputs = tuple[Tensor, ...]
 Step = Callable[[], Outputs]
 Capture = Callable[[Step], Step]
+
+
+class FillsBuffer(Protocol):
+    """A step input not yet made: its shape, dtype and device, and how to write it into a buffer of
+    that shape (`fill`) or make it (`tensor`, for a step run eagerly)."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def element_size(self) -> int: ...
+
+    def fill(self, out: Tensor) -> None: ...
+
+    def tensor(self) -> Tensor: ...
+
+
+StepInput = Tensor | FillsBuffer
+
+
+def as_tensors(inputs: Sequence[StepInput]) -> list[Tensor]:
+    """The inputs made whole (a step run eagerly, outside every bucket)."""
+    return [x if isinstance(x, Tensor) else x.tensor() for x in inputs]
 
 
 def run_eagerly(step: Step) -> Step:
@@ -179,7 +211,7 @@ class StaticSteps:
         captured from the uncompiled step instead (a compile holds the engine thread for a minute)."""
         self.sealed = True
 
-    def run(self, padded_rows: int, inputs: Sequence[Tensor], branch: Hashable = None) -> Outputs | None:
+    def run(self, padded_rows: int, inputs: Sequence[StepInput], branch: Hashable = None) -> Outputs | None:
         """The step's outputs for `inputs` (their real rows), or None: not captured (run it eagerly).
         `branch`: what else picks the step's kernels besides the input shapes (a bucket per value)."""
         if self.stats.failed is not None:
@@ -201,7 +233,7 @@ class StaticSteps:
         return tuple(out.narrow(dim, 0, rows).clone() for out, dim in zip(outputs, out_dims, strict=True))
 
     def _view(
-        self, position: int, shape: list[int], like: Tensor, buffers: dict | None = None
+        self, position: int, shape: list[int], like: StepInput, buffers: dict | None = None
     ) -> Tensor | None:
         """A contiguous view of shape `shape` on the first elements of a static buffer of this position
         (of `buffers`: the inputs' by default) that is large enough."""
@@ -212,16 +244,21 @@ class StaticSteps:
                     return buffer.view(-1)[:size].view(shape)
         return None
 
-    def _load(self, static: Sequence[Tensor], inputs: Sequence[Tensor], rows: int, padded_rows: int) -> None:
+    def _load(
+        self, static: Sequence[Tensor], inputs: Sequence[StepInput], rows: int, padded_rows: int
+    ) -> None:
         """The call's inputs into a bucket's static buffers, pad rows zeroed."""
         for buffer, value, dim in zip(static, inputs, _dims(self.in_row_dims, len(inputs)), strict=True):
-            buffer.narrow(dim, 0, rows).copy_(value)
+            if isinstance(value, Tensor):
+                buffer.narrow(dim, 0, rows).copy_(value)
+            else:
+                value.fill(buffer.narrow(dim, 0, rows))
             if rows < padded_rows:
                 buffer.narrow(dim, rows, padded_rows - rows).zero_()
 
-    def _make(self, key: Hashable, padded_rows: int, like: Sequence[Tensor]) -> _Bucket | None:
+    def _make(self, key: Hashable, padded_rows: int, like: Sequence[StepInput]) -> _Bucket | None:
         held: list[Tensor | None] = []
-        missing: list[tuple[int, list[int], Tensor]] = []  # (position, shape, like): buffers to make
+        missing: list[tuple[int, list[int], StepInput]] = []  # (position, shape, like): buffers to make
         in_dims = _dims(self.in_row_dims, len(like))
         for i, (value, dim) in enumerate(zip(like, in_dims, strict=True)):
             shape = list(value.shape)
@@ -293,7 +330,7 @@ class StaticSteps:
         return tuple(outputs), allocated
 
 
-def _static_zeros(shape: list[int], like: Tensor) -> Tensor:
+def _static_zeros(shape: list[int], like: StepInput) -> Tensor:
     """A contiguous zero buffer like `like`: an ordinary tensor whether or not a bucket is made under
     inference mode (at warm-up or while calls speak), so a compiled step meets the same kind of input in
     every bucket (it guards on it, and would compile again)."""
@@ -305,5 +342,5 @@ def _dims(dims: tuple[int, ...] | int, count: int) -> tuple[int, ...]:
     return (dims,) * count if isinstance(dims, int) else dims
 
 
-def _shape_without(x: Tensor, dim: int) -> tuple[int, ...]:
+def _shape_without(x: StepInput, dim: int) -> tuple[int, ...]:
     return tuple(n for i, n in enumerate(x.shape) if i != dim)

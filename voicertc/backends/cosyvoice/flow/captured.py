@@ -30,6 +30,8 @@ from voicertc.backends.cosyvoice.accel.captured import (
     GraphBudget,
     StageStats,
     StaticSteps,
+    StepInput,
+    as_tensors,
     row_bucket,
     run_eagerly,
 )
@@ -40,6 +42,7 @@ from voicertc.backends.cosyvoice.flow.graph import (
     StreamingEstimator,
     attention_bias,
     pack_caches,
+    pack_for_step,
     unpack_caches,
 )
 from voicertc.backends.cosyvoice.flow.unet import EstimatorCache
@@ -159,12 +162,10 @@ class CapturedEstimator(GraphEstimator):
         pad = shape.frames - frames
         x_in, mu_in, cond_in = (F.pad(v, (0, pad)) for v in (x, mu, cond))
         bias, extra = self._padded_positions(starts, rows, shape, frames, chunk_masks, x)
-        conv, kv, _ = pack_caches(
-            caches, rows, shape.frames, self.layout, chunk_masks, x, shape.keys, frames, bias
-        )
-        inputs = [x_in, mu_in, t, spks, cond_in, conv, kv, bias, *extra]
+        conv, kv = pack_for_step(caches, rows, self.layout, x, shape.keys)
+        inputs: list[StepInput] = [x_in, mu_in, t, spks, cond_in, conv, kv, bias, *extra]
         outputs = self.steps.run(shape.rows, inputs)
-        velocity, conv_out, kv_new = outputs if outputs is not None else self.module(*inputs)
+        velocity, conv_out, kv_new = outputs if outputs is not None else self.module(*as_tensors(inputs))
         kv_new = kv_new.narrow(4, 0, frames)
         unpack_caches(caches, rows, self.layout, conv_out.to(x.dtype), kv_new.to(x.dtype))
         return velocity[:, :, :frames].to(x.dtype)

@@ -177,6 +177,60 @@ def pack_caches(
     return conv.to(like.dtype), kv.to(like.dtype), bias
 
 
+@dataclass(frozen=True)
+class PackedKV:
+    """A call's `kv_cache` input [A, 2, B, H, keys, Dh] not made yet (`accel.captured.FillsBuffer`): each
+    group's frames (its read-only prefix, then its own) are written straight into the buffer the step
+    reads, once; `pack_caches` makes the whole tensor by concatenating views, which a static step then
+    copies again. Key positions past a group's frames keep what the buffer holds (finite values written
+    earlier, or zeros), hidden by the attention bias as the padding of `pack_caches` is."""
+
+    groups: tuple[PackedCache, ...]
+    rows: int  # rows per group
+    keys: int  # padded cached keys (>= every group's frames)
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        a, two, rows, heads, _, dh = self.groups[0].kv.shape
+        return torch.Size((a, two, rows * len(self.groups), heads, self.keys, dh))
+
+    @property
+    def device(self) -> torch.device:
+        return self.groups[0].kv.device
+
+    def element_size(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    def fill(self, out: Tensor) -> None:
+        """Write every group's frames into `out` (of `shape`); positions past them are left as they are."""
+        for g, packed in enumerate(self.groups):
+            group = out.narrow(2, g * self.rows, self.rows)
+            start = 0
+            if packed.prefix is not None:
+                start = packed.prefix_frames
+                group.narrow(4, 0, start).copy_(packed.prefix)
+            own = packed.frames - start
+            if own:
+                group.narrow(4, start, own).copy_(packed.kv.narrow(4, 0, own))
+
+    def tensor(self) -> Tensor:
+        out = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        self.fill(out)
+        return out
+
+
+def pack_for_step(
+    caches: list[EstimatorCache], rows: int, layout: GraphLayout, like: Tensor, keys: int
+) -> tuple[Tensor, PackedKV]:
+    """(conv_cache, kv_cache) of `pack_caches` for a static step: the conv tails made (a few frames a
+    conv), the keys and values left to be written into the step's own buffer (`PackedKV`)."""
+    packed = [packed_context(cache, rows, layout, like) for cache in caches]
+    padded = max(1, keys, *(cache.frames for cache in caches))
+    conv = packed[0].conv if len(packed) == 1 else torch.cat([p.conv for p in packed], dim=0)
+    return conv.to(like.dtype), PackedKV(tuple(packed), rows, padded, like.dtype)
+
+
 def unpack_caches(
     caches: list[EstimatorCache], rows: int, layout: GraphLayout, conv_out: Tensor, kv_new: Tensor
 ) -> None:

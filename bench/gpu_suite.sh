@@ -256,6 +256,8 @@ if [ -n "${STEPS:-}" ]; then  # compiling takes minutes: only when asked for by 
     # kernels a static step launches, eager vs compiled (Triton kernels on CUDA), and the compile times
     step step_kernels "$T_COMPILED" "$PYTHON" -m bench.step_kernels --model-dir "$MODEL_DIR" --device "$DEV" \
         --rows "${KERNEL_ROWS[@]}"
+    # the flow step's K/V input: made whole then copied (before) vs written into the static buffer (after)
+    step flow_step_inputs 120 "$PYTHON" -m bench.flow_step_inputs --device "$DEV" --utterances 1 8 16
     step decode_compiled "$T_COMPILED" bash -c '"$0" -m bench.cv2_llm_batch --model-dir "$1" "${@:2}" &&
         "$0" -m bench.cv2_llm_batch --model-dir "$1" "${@:2}" --compile' "$PYTHON" "$MODEL_DIR" "${DECODE[@]}"
     step cv2_stream_compiled "$T_COMPILED" "$PYTHON" -m bench.cv2_stream --model-dir "$MODEL_DIR" "${STREAM[@]}" --compile

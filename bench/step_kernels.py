@@ -105,17 +105,27 @@ def decode_rows(model_dir: str, rows: list[int], device: str) -> list[dict[str, 
     return out
 
 
-def flow_rows(model_dir: str, rows: list[int], device: str) -> list[dict[str, object]]:
+def flow_rows(
+    model_dir: str, rows: list[int], device: str, join: bool, compile: bool
+) -> list[dict[str, object]]:
+    """The flow's Euler step as the captured path runs it (q/k/v stacked, the new keys written into the
+    room the static input keeps for them), or with `join` as before (the cached keys joined to the new)."""
     flow = CausalFlow.from_model_dir(model_dir, device)
     fuse_qkv(flow.decoder.estimator)  # as the captured path installs it
     module = StreamingEstimator(flow.decoder.estimator).to(device)
+    module = module if join else module.with_kv_room()
+    form = "joined keys" if join else "keys in room"
     out = []
     for n in rows:  # n utterances: 2n CFG rows; a first chunk's shapes (64 new frames, 256 cached keys)
         inputs = [t.to(device) for t in example_inputs(module.layout, rows=2 * n, frames=64, cached=256)]
+        if not join:
+            inputs[6] = torch.nn.functional.pad(inputs[6], (0, 0, 0, 64))
         ops = eager_ops(module, *inputs)
-        torch._dynamo.reset()
-        calls, seconds = compiled_calls(compiled_step(module), *inputs)
-        out.append(_row(f"flow Euler step, {n} utterances", ops, calls, seconds))
+        calls, seconds = Counter[str](), float("nan")
+        if compile:
+            torch._dynamo.reset()
+            calls, seconds = compiled_calls(compiled_step(module), *inputs)
+        out.append(_row(f"flow Euler step, {n} utterances, {form}", ops, calls, seconds))
     return out
 
 
@@ -140,13 +150,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--part", nargs="+", choices=["decode", "flow"], default=["decode", "flow"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--flow-join", action="store_true", help="the flow step joining cached and new keys")
+    parser.add_argument("--eager-only", action="store_true", help="count eager operators only")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows: list[dict[str, object]] = []
     if "decode" in args.part:
         rows += decode_rows(args.model_dir, args.rows, args.device)
     if "flow" in args.part:
-        rows += flow_rows(args.model_dir, args.rows, args.device)
+        rows += flow_rows(args.model_dir, args.rows, args.device, args.flow_join, not args.eager_only)
     columns = ["step", "eager ops", "compiled calls", "fused kernels", "x fewer", "compile s"]
     print(table(rows, columns))  # noqa: T201 - benchmark output
     for r in rows:

@@ -122,7 +122,7 @@ class CapturedEstimator(GraphEstimator):
         compile: bool = False,
     ) -> None:
         super().__init__(module.layout)
-        self.module = module
+        self.module = module = module.with_kv_room()  # new frames written into the step's own buffer
         self.buckets = buckets or Buckets()
         self.input_names = STEP_INPUTS + (ROPE_INPUTS if module.takes_rope else ())
         self.steps = StaticSteps(
@@ -162,7 +162,7 @@ class CapturedEstimator(GraphEstimator):
         pad = shape.frames - frames
         x_in, mu_in, cond_in = (F.pad(v, (0, pad)) for v in (x, mu, cond))
         bias, extra = self._padded_positions(starts, rows, shape, frames, chunk_masks, x)
-        conv, kv = pack_for_step(caches, rows, self.layout, x, shape.keys)
+        conv, kv = pack_for_step(caches, rows, self.layout, x, shape.keys, room=shape.frames)
         inputs: list[StepInput] = [x_in, mu_in, t, spks, cond_in, conv, kv, bias, *extra]
         outputs = self.steps.run(shape.rows, inputs)
         velocity, conv_out, kv_new = outputs if outputs is not None else self.module(*as_tensors(inputs))
@@ -198,6 +198,7 @@ class CapturedEstimator(GraphEstimator):
         """The eager step at the call's exact shapes (outside every bucket)."""
         rows = x.shape[0] // len(caches)
         conv, kv, bias = pack_caches(caches, rows, x.shape[2], self.layout, chunk_masks, x)
+        kv = F.pad(kv, (0, 0, 0, x.shape[2]))  # room for the new frames
         rope = self.module.rope([cache.frames for cache in caches], rows, x.shape[2], x.dtype)
         velocity, conv_out, kv_new = self.module(x, mu, t, spks, cond, conv, kv, bias, None, *rope)
         unpack_caches(caches, rows, self.layout, conv_out.to(x.dtype), kv_new.to(x.dtype))
@@ -213,11 +214,12 @@ class CapturedEstimator(GraphEstimator):
         ordered = [inputs[name] for name in INPUT_NAMES]
         if shape is None:
             self.steps.stats.eager += 1
+            ordered[6] = F.pad(ordered[6], (0, 0, 0, frames))  # kv_cache: room for the new frames
             return self.module(*ordered)
         pad_frames, pad_keys = shape.frames - frames, shape.keys - keys
         x, mu, t, spks, cond, conv, kv, bias = ordered
         x, mu, cond = (F.pad(v, (0, pad_frames)) for v in (x, mu, cond))
-        kv = F.pad(kv, (0, 0, 0, pad_keys))
+        kv = F.pad(kv, (0, 0, 0, pad_keys + shape.frames))  # and room for the new frames
         cached, new = bias[..., :keys], bias[..., keys:]
         hidden = (0, 0, 0, pad_frames)  # padded queries see what the real ones see; padded keys nobody
         bias = torch.cat(
@@ -247,7 +249,7 @@ class CapturedEstimator(GraphEstimator):
                     inputs = [
                         zeros(r, 80, f), zeros(r, 80, f), zeros(r), zeros(r, 80), zeros(r, 80, f),
                         zeros(r, layout.conv_channels, layout.conv_width),
-                        zeros(layout.attention_slots, 2, r, layout.heads, k, layout.head_dim),
+                        zeros(layout.attention_slots, 2, r, layout.heads, k + f, layout.head_dim),
                         zeros(r, 1, f, k + f),
                         (torch.arange(layout.conv_width, device=like.device) + f).expand(r, -1),
                     ]  # fmt: skip

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from voicertc.backends.cosyvoice.flow.dit import DiT, DiTAttention, StreamConv
@@ -221,14 +222,15 @@ class PackedKV:
 
 
 def pack_for_step(
-    caches: list[EstimatorCache], rows: int, layout: GraphLayout, like: Tensor, keys: int
+    caches: list[EstimatorCache], rows: int, layout: GraphLayout, like: Tensor, keys: int, room: int = 0
 ) -> tuple[Tensor, PackedKV]:
     """(conv_cache, kv_cache) of `pack_caches` for a static step: the conv tails made (a few frames a
-    conv), the keys and values left to be written into the step's own buffer (`PackedKV`)."""
+    conv), the keys and values left to be written into the step's own buffer (`PackedKV`), `room` key
+    positions past the padded cached ones (`StreamingEstimator.with_kv_room`)."""
     packed = [packed_context(cache, rows, layout, like) for cache in caches]
     padded = max(1, keys, *(cache.frames for cache in caches))
     conv = packed[0].conv if len(packed) == 1 else torch.cat([p.conv for p in packed], dim=0)
-    return conv.to(like.dtype), PackedKV(tuple(packed), rows, padded, like.dtype)
+    return conv.to(like.dtype), PackedKV(tuple(packed), rows, padded + room, like.dtype)
 
 
 def unpack_caches(
@@ -253,10 +255,12 @@ class _GraphBatch:
         kv_cache: Tensor,
         attn_bias: Tensor,
         tail_index: Tensor | None = None,
+        kv_room: bool = False,
     ) -> None:
         self.layout = layout
         self.conv_cache, self.kv_cache, self.attn_bias = conv_cache, kv_cache, attn_bias
         self.tail_index = tail_index  # [B, width]: where each row's real frames end (padded chunks)
+        self.kv_room = kv_room  # kv_cache ends with room for the new frames (`StreamingEstimator`)
         self.new_tails: dict[int, Tensor] = {}
         self.new_kv: dict[int, tuple[Tensor, Tensor]] = {}
 
@@ -273,6 +277,12 @@ class _GraphBatch:
     def attend(self, slot: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # q, k, v: [B, H, T, Dh] -> [B, H, T, Dh] over [cached ++ new] keys; plain softmax attention
         self.new_kv[slot] = (k, v)
+        if self.kv_room:  # the new frames written into the room the input keeps for them: no join
+            keys, values = self.kv_cache[slot, 0], self.kv_cache[slot, 1]
+            cached = keys.shape[2] - k.shape[2]
+            keys.narrow(2, cached, k.shape[2]).copy_(k)
+            values.narrow(2, cached, v.shape[2]).copy_(v)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.attn_bias.to(q.dtype))
         keys = torch.cat([self.kv_cache[slot, 0], k], dim=2)
         values = torch.cat([self.kv_cache[slot, 1], v], dim=2)
         scores = (q @ keys.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1])) + self.attn_bias
@@ -284,11 +294,19 @@ class StreamingEstimator(nn.Module):
     `voicertc export onnx` for the UNet; the captured static-shape step for both). The DiT also takes
     its rotary angles as inputs (`rope_cos`, `rope_sin` [B, T, Dh]: each row at its absolute frame)."""
 
-    def __init__(self, estimator: nn.Module) -> None:
+    def __init__(self, estimator: nn.Module, kv_room: bool = False) -> None:
         super().__init__()
         self.estimator = estimator
         self.layout = GraphLayout.of(estimator)
         self.takes_rope = isinstance(estimator, DiT)
+        self.kv_room = kv_room
+
+    def with_kv_room(self) -> StreamingEstimator:
+        """The static step's form of the same estimator: `kv_cache` [A, 2, B, H, L + T, Dh] keeps room
+        for the chunk's T new frames at its end, which each attention writes there (the input is a
+        scratch buffer: a static step's own) and attends over in one fused kernel, instead of joining
+        the cached keys to the new ones (a copy of the whole history per attention per Euler step)."""
+        return self if self.kv_room else StreamingEstimator(self.estimator, kv_room=True)
 
     def forward(
         self,
@@ -306,7 +324,7 @@ class StreamingEstimator(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor]:
         """`tail_index` [B, width] (static-shape steps only): the chunk's frames are padded, row b's real
         ones end at `tail_index[b, -1] + 1 - width`; the new conv tails are taken there."""
-        batch = _GraphBatch(self.layout, conv_cache, kv_cache, attn_bias, tail_index)
+        batch = _GraphBatch(self.layout, conv_cache, kv_cache, attn_bias, tail_index, self.kv_room)
         if isinstance(self.estimator, DiT):
             if rope_cos is None or rope_sin is None:
                 raise ValueError("the DiT's graph form takes rope_cos and rope_sin")
@@ -315,6 +333,9 @@ class StreamingEstimator(nn.Module):
             unet: Any = self.estimator
             velocity = unet.forward_batch(x, mu, t, spks, cond, batch)
         conv_out = torch.cat([batch.new_tails[s] for s in range(len(self.layout.conv_slots))], dim=1)
+        if self.kv_room:  # every attention wrote its new frames into the room: they are the output
+            frames = x.shape[2]
+            return velocity, conv_out, kv_cache.narrow(4, kv_cache.shape[4] - frames, frames)
         kv_new = torch.stack(
             [torch.stack(batch.new_kv[s]) for s in range(self.layout.attention_slots)]
         )  # [A, 2, B, H, T, Dh]

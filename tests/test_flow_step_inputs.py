@@ -2,7 +2,8 @@
 `accel.captured.FillsBuffer`): each group's frames (a shared prompt prefix, then its own) land where
 `pack_caches`'s concatenation puts them, positions past them are left as the buffer holds them, and a
 batch of utterances through the static steps never makes the whole packed K/V as a tensor of its own
-(it was made by concatenating every group's context, then copied into the buffer)."""
+(it was made by concatenating every group's context, then copied into the buffer), and the step's new
+K/V come back as a view of the room its input keeps for them."""
 
 from __future__ import annotations
 
@@ -91,6 +92,11 @@ def test_a_batch_through_the_static_steps_never_makes_the_whole_packed_context(f
     assert not whole & {shape for op, shape in shapes.made if op == "cat.default"}
     # (only a `cat` would: the step's kv_new [A, 2, rows, H, frames, Dh] has that shape too where the
     # frame and key buckets are equal)
+    # the new frames' K/V come back as a view of the room in the static input: no static output buffer
+    # of their own, no clone; they are copied once, into each utterance's context
+    new_kv = {(*key[7][:2], 4, key[7][2], key[1][1], key[7][4]) for key in four_rows}
+    assert not new_kv & {shape for op, shape in shapes.made if op == "clone.default"}
+    assert {position for position, _, _ in runner.steps._out_buffers} == {0, 1}  # velocity, conv tails
 
 
 def test_an_utterance_holds_room_for_its_own_frames_not_for_the_key_bucket(flow, tts_golden):

@@ -211,9 +211,17 @@ class StaticSteps:
         captured from the uncompiled step instead (a compile holds the engine thread for a minute)."""
         self.sealed = True
 
-    def run(self, padded_rows: int, inputs: Sequence[StepInput], branch: Hashable = None) -> Outputs | None:
+    def run(
+        self,
+        padded_rows: int,
+        inputs: Sequence[StepInput],
+        branch: Hashable = None,
+        borrowed: frozenset[int] = frozenset(),
+    ) -> Outputs | None:
         """The step's outputs for `inputs` (their real rows), or None: not captured (run it eagerly).
-        `branch`: what else picks the step's kernels besides the input shapes (a bucket per value)."""
+        `branch`: what else picks the step's kernels besides the input shapes (a bucket per value).
+        `borrowed`: outputs returned as views of static storage instead of copies, valid until the
+        next `run` (for a caller that copies them on at once)."""
         if self.stats.failed is not None:
             self.stats.eager += 1
             return None
@@ -230,7 +238,8 @@ class StaticSteps:
         self.stats.replays += 1
         self.stats.by_shape[key] = self.stats.by_shape.get(key, 0) + 1
         out_dims = _dims(self.out_row_dims, len(outputs))
-        return tuple(out.narrow(dim, 0, rows).clone() for out, dim in zip(outputs, out_dims, strict=True))
+        views = [out.narrow(dim, 0, rows) for out, dim in zip(outputs, out_dims, strict=True)]
+        return tuple(view if i in borrowed else view.clone() for i, view in enumerate(views))
 
     def _view(
         self, position: int, shape: list[int], like: StepInput, buffers: dict | None = None
@@ -280,14 +289,16 @@ class StaticSteps:
         started = time.perf_counter()
         try:
             fn, first = self._first_run(static)
-            outputs, out_bytes = self._static_outputs(first)  # one eager run: their shapes
+            outputs, out_bytes = self._static_outputs(first, static)  # one eager run: their shapes
             size += out_bytes
             self.budget.used_bytes += out_bytes
 
             def step() -> Outputs:
-                for out, result in zip(outputs, fn(*static), strict=True):
-                    out.copy_(result)
-                return outputs
+                results = fn(*static)
+                for out, result in zip(outputs, results, strict=True):
+                    if out is not None:
+                        out.copy_(result)
+                return tuple(r if o is None else o for o, r in zip(outputs, results, strict=True))
 
             replay = self.capture(step)
         except Exception as exc:  # noqa: BLE001 - an uncapturable step: eager from now on, said once
@@ -316,18 +327,24 @@ class StaticSteps:
         self.stats.uncompiled += 1
         return self.raw_fn, results
 
-    def _static_outputs(self, results: Outputs) -> tuple[Outputs, int]:
+    def _static_outputs(self, results: Outputs, static: list[Tensor]) -> tuple[list[Tensor | None], int]:
         """Static buffers (views of shared ones, as for inputs) shaped like a step's `results`, and the
-        bytes newly allocated for them."""
-        outputs, allocated = [], 0
+        bytes newly allocated for them; None for a result that is a view of a static input (the flow
+        step's new keys and values, written into room its input keeps): it is static already."""
+        inputs = {buffer.untyped_storage().data_ptr() for buffer in static}
+        outputs: list[Tensor | None] = []
+        allocated = 0
         for i, result in enumerate(results):
+            if result.untyped_storage().data_ptr() in inputs:
+                outputs.append(None)
+                continue
             buffer = self._view(i, list(result.shape), result, self._out_buffers)
             if buffer is None:
                 buffer = _static_zeros(list(result.shape), result)
                 self._out_buffers[(i, tuple(result.shape), result.dtype)] = buffer
                 allocated += buffer.numel() * buffer.element_size()
             outputs.append(buffer)
-        return tuple(outputs), allocated
+        return outputs, allocated
 
 
 def _static_zeros(shape: list[int], like: StepInput) -> Tensor:

@@ -54,6 +54,7 @@ STEP_INPUTS = (*INPUT_NAMES, "tail_index")
 ROPE_INPUTS = ("rope_cos", "rope_sin")  # the DiT's (CosyVoice3) rotary angles [B, T, Dh]
 IN_ROW_DIMS = {"kv_cache": 2}  # every other input has its rows first
 OUT_ROW_DIMS = (0, 0, 2)  # velocity, conv_cache_out, kv_new [A, 2, B, H, T, Dh]
+KV_NEW = frozenset({2})  # kv_new: a view of the room in the static kv_cache input, copied into each context
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,7 @@ class CapturedEstimator(GraphEstimator):
         bias, extra = self._padded_positions(starts, rows, shape, frames, chunk_masks, x)
         conv, kv = pack_for_step(caches, rows, self.layout, x, shape.keys, room=shape.frames)
         inputs: list[StepInput] = [x_in, mu_in, t, spks, cond_in, conv, kv, bias, *extra]
-        outputs = self.steps.run(shape.rows, inputs)
+        outputs = self.steps.run(shape.rows, inputs, borrowed=KV_NEW)  # stored into the contexts below
         velocity, conv_out, kv_new = outputs if outputs is not None else self.module(*as_tensors(inputs))
         kv_new = kv_new.narrow(4, 0, frames)
         unpack_caches(caches, rows, self.layout, conv_out.to(x.dtype), kv_new.to(x.dtype))

@@ -1,6 +1,7 @@
 """Tokens drawn on the device for a whole decode batch (`sampling.draw_rows`, the decode graphs' path):
-the nucleus is the host rule's (`nucleus_size`) on any distribution, a row's token does not depend on the
-rows beside it (each its own generator), bans hold, and RAS's repetition rule still redraws."""
+the nucleus is the host rule's (`nucleus_size`) on any distribution, the batched draw is each row's
+`draw_one` on its generator, a row's token does not depend on the rows beside it (each its own
+generator), bans hold, and RAS's repetition rule still redraws."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ from hypothesis import strategies as st
 from voicertc.backends.cosyvoice.llm.batch import decode_batch
 from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs
 from voicertc.backends.cosyvoice.llm.kv import SlotKV
-from voicertc.backends.cosyvoice.llm.sampling import SamplingParams, draw_rows, nucleus_size, ras_repeats
+from voicertc.backends.cosyvoice.llm.sampling import (
+    SamplingParams,
+    draw_one,
+    draw_rows,
+    nucleus_size,
+    ras_repeats,
+)
 from voicertc.backends.cosyvoice.load.v2 import load_llm
 
 PARAMS = SamplingParams()
@@ -53,6 +60,34 @@ def test_a_rows_token_does_not_depend_on_the_rows_beside_it_and_bans_hold():
         for b, m in enumerate(["ras", "ras", "ras", "greedy"])
     ]
     assert together == alone and together[2] != 7 and together[3] == int(logits[3].argmax())
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    modes=st.lists(st.sampled_from(["ras", "greedy"]), min_size=1, max_size=6),
+    sharpness=st.floats(0.1, 8.0),
+)
+def test_the_batched_draw_is_each_rows_draw_one_on_its_generator(seed, modes, sharpness):
+    """The divide / argmax / gather of every row at once: the same ids as `draw_one` row by row (which is
+    `multinomial`'s draw, `tests/test_draw_one.py`), and each generator left in the same state."""
+    logits = sharpness * torch.randn(len(modes), 300, generator=torch.Generator().manual_seed(seed))
+
+    def gens():
+        return [torch.Generator().manual_seed(seed + 11 * b) for b in range(len(modes))]
+
+    batched_gens, row_gens = gens(), gens()
+    got = draw_rows(logits, modes, [()] * len(modes), PARAMS, batched_gens).tolist()
+    probs, ids = logits.float().log_softmax(-1).softmax(-1).sort(dim=-1, descending=True, stable=True)
+    head = probs[:, : PARAMS.top_k]
+    weights = head * ((head.cumsum(-1) - head) < PARAMS.top_p)
+    expected = [
+        int(logits[b].argmax()) if mode == "greedy" else int(ids[b, draw_one(weights[b], row_gens[b])])
+        for b, mode in enumerate(modes)
+    ]
+    assert got == expected
+    for a, b in zip(batched_gens, row_gens, strict=True):
+        assert torch.equal(a.get_state(), b.get_state())
 
 
 def test_ras_repetition_rule():

@@ -131,18 +131,29 @@ def draw_rows(
     for b, ban in enumerate(bans):
         if ban:  # a device index made once per ban list (a host list is a copy and a stream sync per step)
             logp[b].index_fill_(0, ban_index(ban, logp.device), -float("inf"))
-    picks = []
-    if any(mode == "ras" for mode in modes):
-        probs_sorted, ids_sorted = logp.softmax(dim=-1).sort(dim=-1, descending=True, stable=True)
-        head = probs_sorted[:, : params.top_k]
-        before = head.cumsum(dim=-1) - head  # the running sum before each token
-        weights = head * (before < params.top_p)
-    for b, mode in enumerate(modes):
-        if mode == "greedy":
-            picks.append(logp[b].argmax().reshape(1))
-        else:
-            picks.append(ids_sorted[b, draw_one(weights[b], generators[b])])
-    return torch.cat(picks)
+    greedy = logp.argmax(dim=-1)
+    drawing = [b for b, mode in enumerate(modes) if mode != "greedy"]
+    if not drawing:
+        return greedy
+    probs_sorted, ids_sorted = logp.softmax(dim=-1).sort(dim=-1, descending=True, stable=True)
+    head = probs_sorted[:, : params.top_k]
+    before = head.cumsum(dim=-1) - head  # the running sum before each token
+    weights = head * (before < params.top_p)
+    # `draw_one` for every drawing row at once: each row's Exp(1) variates from its own generator (one
+    # launch a row: the generators are per utterance), the divide / argmax / gather batched
+    variates = torch.ones_like(weights)
+    for b in drawing:
+        variates[b].exponential_(1, generator=generators[b])
+    drawn = ids_sorted.gather(1, (weights / variates).argmax(dim=-1, keepdim=True)).squeeze(1)
+    if len(drawing) == len(modes):
+        return drawn
+    return torch.where(greedy_rows(tuple(mode == "greedy" for mode in modes), logp.device), greedy, drawn)
+
+
+@functools.lru_cache(maxsize=64)
+def greedy_rows(greedy: tuple[bool, ...], device: torch.device) -> Tensor:
+    """Which rows of a batch draw greedily, as a mask on `device`, made once per pattern."""
+    return torch.tensor(greedy, dtype=torch.bool, device=device)
 
 
 @functools.lru_cache(maxsize=64)

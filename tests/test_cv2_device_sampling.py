@@ -65,27 +65,34 @@ def test_a_rows_token_does_not_depend_on_the_rows_beside_it_and_bans_hold():
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
-    modes=st.lists(st.sampled_from(["ras", "greedy"]), min_size=1, max_size=6),
+    rows=st.lists(st.tuples(st.sampled_from(["ras", "greedy"]), st.booleans()), min_size=1, max_size=6),
     sharpness=st.floats(0.1, 8.0),
 )
-def test_the_batched_draw_is_each_rows_draw_one_on_its_generator(seed, modes, sharpness):
-    """The divide / argmax / gather of every row at once: the same ids as `draw_one` row by row (which is
-    `multinomial`'s draw, `tests/test_draw_one.py`), and each generator left in the same state."""
+def test_the_batched_draw_is_each_rows_draw_one_on_its_generator(seed, rows, sharpness):
+    """The bans and the divide / argmax / gather of every row at once: the same ids as each row's ban
+    and `draw_one` (which is `multinomial`'s draw, `tests/test_draw_one.py`), each generator left in the
+    same state."""
+    modes = [mode for mode, _ in rows]
+    bans = [(0, 1, 2) if banned else () for _, banned in rows]
     logits = sharpness * torch.randn(len(modes), 300, generator=torch.Generator().manual_seed(seed))
+    logits[:, 1] += 20.0  # a banned id that would win
 
     def gens():
         return [torch.Generator().manual_seed(seed + 11 * b) for b in range(len(modes))]
 
     batched_gens, row_gens = gens(), gens()
-    got = draw_rows(logits, modes, [()] * len(modes), PARAMS, batched_gens).tolist()
-    probs, ids = logits.float().log_softmax(-1).softmax(-1).sort(dim=-1, descending=True, stable=True)
+    got = draw_rows(logits, modes, bans, PARAMS, batched_gens).tolist()
+    logp = logits.float().log_softmax(-1)
+    for b, ban in enumerate(bans):
+        logp[b, list(ban)] = -float("inf")
+    probs, ids = logp.softmax(-1).sort(dim=-1, descending=True, stable=True)
     head = probs[:, : PARAMS.top_k]
     weights = head * ((head.cumsum(-1) - head) < PARAMS.top_p)
     expected = [
-        int(logits[b].argmax()) if mode == "greedy" else int(ids[b, draw_one(weights[b], row_gens[b])])
+        int(logp[b].argmax()) if mode == "greedy" else int(ids[b, draw_one(weights[b], row_gens[b])])
         for b, mode in enumerate(modes)
     ]
-    assert got == expected
+    assert got == expected and not any(got[b] in ban for b, ban in enumerate(bans))
     for a, b in zip(batched_gens, row_gens, strict=True):
         assert torch.equal(a.get_state(), b.get_state())
 

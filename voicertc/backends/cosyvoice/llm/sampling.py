@@ -128,9 +128,15 @@ def draw_rows(
     generator, so a row's token does not depend on the others in the batch. RAS's repetition rule
     needs the decoded history and is applied after the one sync (`ras_redraw`). Greedy rows: argmax."""
     logp = logits.float().log_softmax(dim=-1)
-    for b, ban in enumerate(bans):
-        if ban:  # a device index made once per ban list (a host list is a copy and a stream sync per step)
-            logp[b].index_fill_(0, ban_index(ban, logp.device), -float("inf"))
+    for ban in {ban for ban in bans if ban}:  # (one in practice: end of speech before min_len)
+        # device indices and row masks made once per pattern (a host list is a copy and a stream sync)
+        columns = ban_index(ban, logp.device)
+        if all(row_ban == ban for row_ban in bans):
+            logp.index_fill_(1, columns, -float("inf"))
+        else:
+            rows = row_mask(tuple(row_ban == ban for row_ban in bans), logp.device)
+            banned = logp.index_select(1, columns).masked_fill_(rows[:, None], -float("inf"))
+            logp.index_copy_(1, columns, banned)
     greedy = logp.argmax(dim=-1)
     drawing = [b for b, mode in enumerate(modes) if mode != "greedy"]
     if not drawing:
@@ -147,13 +153,14 @@ def draw_rows(
     drawn = ids_sorted.gather(1, (weights / variates).argmax(dim=-1, keepdim=True)).squeeze(1)
     if len(drawing) == len(modes):
         return drawn
-    return torch.where(greedy_rows(tuple(mode == "greedy" for mode in modes), logp.device), greedy, drawn)
+    return torch.where(row_mask(tuple(mode == "greedy" for mode in modes), logp.device), greedy, drawn)
 
 
 @functools.lru_cache(maxsize=64)
-def greedy_rows(greedy: tuple[bool, ...], device: torch.device) -> Tensor:
-    """Which rows of a batch draw greedily, as a mask on `device`, made once per pattern."""
-    return torch.tensor(greedy, dtype=torch.bool, device=device)
+def row_mask(rows: tuple[bool, ...], device: torch.device) -> Tensor:
+    """Rows of a batch (those that draw greedily, those with a ban) as a mask on `device`, made once
+    per pattern."""
+    return torch.tensor(rows, dtype=torch.bool, device=device)
 
 
 @functools.lru_cache(maxsize=64)

@@ -178,8 +178,8 @@ def main() -> None:
         cuda_graphs=args.cuda_graphs,
         compile_steps=args.compile and args.cuda_graphs,
         graph_rows=max(args.concurrency),
-        # memory admission sized for these utterances: --max-tokens of speech on a prompt of <= 5 s
-        streaming_context_s=args.max_tokens / 25 + 5.0,
+        # memory admission sized for these utterances: --max-tokens of own speech (the prompt is shared)
+        streaming_context_s=max(1.0, args.max_tokens / 25),
     )
     streamer = ThreadedSpeechLlm(model.llm) if args.llm == "thread" else None
     if args.version == 3:

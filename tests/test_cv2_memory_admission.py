@@ -28,9 +28,11 @@ def model(tiny_model_dir, golden_dir, tmp_path_factory):
     )
 
 
-def _peak_in_flight(cap: int, model, golden_dir) -> tuple[int, EventLog, dict[str, RecordingSink]]:
+def _peak_in_flight(
+    cap: int, model, golden_dir, **options: object
+) -> tuple[int, EventLog, dict[str, RecordingSink]]:
     """Four utterances said at once; the most that had audio out and were not done at any moment."""
-    backend = make_backend(model, golden_dir, max_segment_tokens=40, max_streaming=cap)
+    backend = make_backend(model, golden_dir, **{"max_segment_tokens": 40, "max_streaming": cap, **options})
     engine = EngineWorker(backend, default_voice=GOLDEN_VOICE)
     log, sinks = EventLog(), {}
     engine.start()
@@ -63,11 +65,34 @@ def test_at_most_max_streaming_utterances_stream_and_the_rest_speak_after(model,
     assert unlimited > 2  # the same load without admission: the bound above is the cap's doing
 
 
+def test_a_batch_has_its_chunk_room_before_it_saves_its_states(model, golden_dir, monkeypatch):
+    """A batched chunk's members hold room for the chunk when it starts (`CausalFlow.reserve_stream`,
+    made before the backend saves their states for a retry): no context moves to a larger tensor while
+    a saved copy holds the old one (`tests/test_flow_saved_states.py`), on the GPU serving path."""
+    room_left: list[int] = []
+    start = model.flow.start_stream_batch
+
+    def checking(new_tokens, states, finalize):
+        for tokens, state in zip(new_tokens, states, strict=True):
+            adds = 2 * (state.pending_prompt.shape[1] + tokens.shape[1] - (0 if finalize else 3))
+            for cache in state.estimator:
+                packed = cache.packed
+                if len(states) > 1 and packed is not None:
+                    room_left.append(packed.kv.shape[4] - packed.own_frames - adds)
+        return start(new_tokens, states, finalize)
+
+    monkeypatch.setattr(model.flow, "start_stream_batch", checking)
+    _peak_in_flight(0, model, golden_dir, static_steps=True, max_segment_tokens=150)  # past the first room
+    assert room_left and min(room_left) >= 0
+
+
 def test_auto_cap_is_the_free_memory_over_the_room_each_needs():
     per_s = 115 * 2**20  # bf16 full-size CosyVoice2: bytes of flow context per second of speech
     free = 60 * 2**30
-    assert streaming_cap(free, per_s, 30.0) == int(free * (1 - ADMISSION_HEADROOM) / (per_s * 30.0)) == 15
-    assert streaming_cap(free, per_s, 10.0) == 45
+    # each utterance's room: its frames, a quarter more and 128 frames (2.56 s) of growth
+    room_s = 30.0 * 1.25 + 128 / 50
+    assert streaming_cap(free, per_s, 30.0) == int(free * (1 - ADMISSION_HEADROOM) / (per_s * room_s)) == 11
+    assert streaming_cap(free, per_s, 10.0) == 30
     assert streaming_cap(1.0, per_s, 30.0) == 1  # never 0: one utterance always streams
     with pytest.raises(ValueError, match="positive"):
         streaming_cap(free, 0.0, 30.0)

@@ -130,7 +130,7 @@ class EngineConfig:
     max_streaming: int = (
         0  # CosyVoice utterances holding flow contexts at once (0 = auto: GPU memory; CPU: any)
     )
-    streaming_context_s: float = 30.0  # speech (prompt included) an auto max_streaming gives each room for
+    streaming_context_s: float = 30.0  # own speech an auto max_streaming gives each room for (prompts shared)
     dit_conv: str = "conv1d"  # CosyVoice3 DiT position convs: conv1d | matmul (one batched matmul each)
 
     @property

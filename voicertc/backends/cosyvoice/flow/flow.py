@@ -77,6 +77,13 @@ class FlowStreamState:
         packed = sum(c.packed.nbytes() for c in self.estimator if c.packed is not None)
         return tail_bytes + packed + sum(kv.filled_bytes() for kv in self.kv_caches())
 
+    def reserve(self, new_frames: int) -> None:
+        """Room in every packed estimator context for `new_frames` more frames (`PackedCache.reserve`:
+        a context that outgrows its room moves now, once; the per-slot form grows as it appends)."""
+        for cache in self.estimator:
+            if cache.packed is not None:
+                cache.packed.reserve(cache.packed.frames + new_frames)
+
     def clone(self) -> FlowStreamState:
         """An independent copy (e.g. a voice's prompt state reused per utterance, or a batch member's
         state saved for a retry). Cheap: the K/V so far become a read-only prefix of the clone's caches
@@ -250,6 +257,18 @@ class CausalFlow(nn.Module):
             raise ValueError("stream_step_batch: every utterance must advance by the same number of tokens")
         solve = self._start(chunks, chunk_masks=True) if chunks[0].tokens.shape[1] else None
         return StreamSolve(solve, [c.drop_frames for c in chunks], states, finalize)
+
+    @torch.inference_mode()
+    def reserve_stream(self, new_tokens: list[Tensor], states: list[FlowStreamState], finalize: bool) -> None:
+        """Room in each state's estimator contexts for the frames its next chunk adds, made before a
+        batch saves its states for a retry: a context that outgrows its room then moves before the
+        save, so the saved copy shares the moved tensor. Moved during the chunk, the old tensor stayed
+        alive in the saved copy until the chunk ended: twice the memory of every growing context, all
+        at once for utterances that started together (32 of them ran an H100 out of memory)."""
+        lookahead, ratio = self.cfg.pre_lookahead_tokens, self.cfg.token_mel_ratio
+        for tokens, state in zip(new_tokens, states, strict=True):
+            real = state.pending_prompt.shape[1] + tokens.shape[1] - (0 if finalize else lookahead)
+            state.reserve(ratio * max(0, real))
 
     @torch.inference_mode()
     def advance_stream(

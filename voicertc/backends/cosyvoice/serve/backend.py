@@ -37,6 +37,7 @@ from voicertc.audio.decode import Clip
 from voicertc.backends.cosyvoice.accel.apply import apply_accel, vllm_export_dir
 from voicertc.backends.cosyvoice.accel.captured import CudaCapture, run_eagerly
 from voicertc.backends.cosyvoice.flow.flow import FlowStreamState, StreamSolve
+from voicertc.backends.cosyvoice.flow.unet import GROW_FRAMES
 from voicertc.backends.cosyvoice.hift.batch import vocode_batch, vocode_batch_parts
 from voicertc.backends.cosyvoice.llm.batch import decode_batch
 from voicertc.backends.cosyvoice.llm.bistream import BistreamSession
@@ -766,8 +767,8 @@ class CosyVoice2Backend:
             if len(group) == 1:
                 return [exc]
             return [r for job in group for r in self._flow_group([job])]
-        saved = [state.clone() for state in flow_states] if len(group) > 1 else []
         ready = [p for p in plans if p is not None]
+        saved: list[FlowStreamState] = []  # each member's state before the chunk: a retry's start
         started = time.perf_counter()
         try:
             if len(ready) != len(plans):
@@ -775,6 +776,9 @@ class CosyVoice2Backend:
             if whole:
                 return self._window_part(group[0], t2ws[0], ready[0], started)
             tokens = [p.new_tokens for p in ready]
+            if len(group) > 1:  # room first: the saved shares then hold the grown contexts, not the old
+                self.model.flow.reserve_stream(tokens, flow_states, work.final)
+                saved = [state.clone() for state in flow_states]
             clock = self.budget.start()  # the encoder's share counts too
             stream = self.model.flow.start_stream_batch(tokens, flow_states, work.final)
             mels = self._advance_flow(stream, clock)
@@ -783,8 +787,9 @@ class CosyVoice2Backend:
                 return [exc]
             logger.warning("batched flow step failed; retrying its %d utterances one by one", len(group))
             self.stats["batch_fallbacks"] += 1
-            for t2w, state in zip(t2ws, saved, strict=True):
-                t2w.flow_state = state
+            if saved:  # (none: the failure came before the states changed)
+                for t2w, state in zip(t2ws, saved, strict=True):
+                    t2w.flow_state = state
             return [r for job in group for r in self._flow_group([job])]
         members = [(self._state(job), t2w, plan) for job, t2w, plan in zip(group, t2ws, ready, strict=True)]
         pending = PendingFlow(next(self._solves), stream, members, saved, time.perf_counter() - started)
@@ -1007,12 +1012,17 @@ def context_bytes_per_s(state: FlowStreamState | None) -> float:
 ADMISSION_HEADROOM = 0.15  # of the memory free after warm-up, kept for activations and allocator slack
 
 
+ROOM_GROWTH = 1.25  # a packed context's room: at most a quarter past its frames, plus `GROW_FRAMES`
+
+
 def streaming_cap(free_bytes: float, per_s: float, context_s: float) -> int:
     """How many utterances may hold flow contexts at once: the memory free after warm-up, less
-    `ADMISSION_HEADROOM`, over `context_s` seconds of speech each (at least 1). Pure."""
+    `ADMISSION_HEADROOM`, over the room `context_s` seconds of speech take each (the frames' bytes, a
+    quarter more and `GROW_FRAMES` frames: what `PackedCache` may allocate for them), at least 1. Pure."""
     if per_s <= 0 or context_s <= 0:
         raise ValueError("streaming_cap needs positive bytes per second and seconds per utterance")
-    return max(1, int(free_bytes * (1.0 - ADMISSION_HEADROOM) / (per_s * context_s)))
+    room_s = context_s * ROOM_GROWTH + GROW_FRAMES / MEL_FRAMES_PER_S
+    return max(1, int(free_bytes * (1.0 - ADMISSION_HEADROOM) / (per_s * room_s)))
 
 
 def log_context_headroom(device: torch.device, per_s: float) -> int | None:

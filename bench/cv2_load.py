@@ -22,6 +22,7 @@ Prints a table; writes bench/results/cv2_load_<device>.json (cv3_load_... for `-
 from __future__ import annotations
 
 import argparse
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -162,6 +163,9 @@ def main() -> None:
         "--dit-conv", choices=["conv1d", "matmul"], default="conv1d", help="[engine] dit_conv"
     )
     args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    for name in ("serve.backend", "serve.captured_stages"):  # warm-up: admission cap, captured buckets
+        logging.getLogger(f"voicertc.backends.cosyvoice.{name}").setLevel(logging.INFO)
     torch.set_num_threads(args.threads)
     if not args.model_dir:
         default = DEFAULT_OUT_V3 if args.version == 3 else DEFAULT_OUT
@@ -198,10 +202,11 @@ def main() -> None:
     try:
         run_level(engine, voice, 1, args.timeout_s)  # warm-up: kernels, allocator, caches
         results = [run_level(engine, voice, n, args.timeout_s) for n in args.concurrency]
+        # replays / eager fallbacks / captures over every level (read before the stop closes the stages)
+        captured = backend.captured_counts()
     finally:
         engine.stop()
     print(table([_row(r) for r in results], list(_row(results[0]))))  # noqa: T201 - benchmark output
-    captured = backend.captured_counts()  # replays / eager fallbacks / captures over every level
     if captured:
         print("captured stages (replays / eager / captures):", captured)  # noqa: T201
     record = {

@@ -197,7 +197,15 @@ def main() -> None:
         streamer.start()
     voice = pick_voice(backend, model)
     backend.warm_up()  # as create_backend does: kernels, allocators, and the decode graphs if asked
-    engine = EngineWorker(backend, default_voice=voice, max_utterances=max(args.concurrency) + 1)
+    # one batch holds every utterance of the largest level, as the captured buckets do (`graph_rows`; the
+    # server sets both from `[engine] max_batch`); until 2026-11-27 the worker's default of 16 split 32
+    # utterances into two decode forwards a step and two flow groups, past buckets captured for 32
+    engine = EngineWorker(
+        backend,
+        default_voice=voice,
+        max_utterances=max(args.concurrency) + 1,
+        max_batch=max(args.concurrency),
+    )
     engine.start()
     try:
         run_level(engine, voice, 1, args.timeout_s)  # warm-up: kernels, allocator, caches

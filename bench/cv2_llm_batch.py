@@ -28,9 +28,16 @@ from voicertc.backends.cosyvoice.load.v2 import load_llm
 
 
 def run_batch(
-    llm, batch: int, steps: int, warmup: int, device: str, graphs: bool, compile: bool = False
+    llm,
+    batch: int,
+    steps: int,
+    warmup: int,
+    device: str,
+    graphs: bool,
+    compile: bool = False,
+    capacity: int = 512,
 ) -> dict[str, object]:
-    pool = SlotKV(llm.llm.model.model, slots=max(batch, 1) + 1, capacity=512)
+    pool = SlotKV(llm.llm.model.model, slots=max(batch, 1) + 1, capacity=capacity)
     static = DecodeGraphs(pool, llm.llm_decoder, max_rows=batch, compile=compile) if graphs else None
     gen = torch.Generator().manual_seed(1)
     sessions = []
@@ -75,6 +82,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--graphs", action="store_true", help="CUDA graph per batch bucket (CUDA only)")
     parser.add_argument("--compile", action="store_true", help="with --graphs: the static step compiled")
+    parser.add_argument(
+        "--capacity",
+        type=int,
+        default=512,
+        help="K/V positions per slot (a replayed step attends over all of them; the engine's with "
+        "cuda_graphs: 2048, `GRAPH_KV_CAPACITY`)",
+    )
     args = parser.parse_args()
     if args.compile and not args.graphs:
         parser.error("--compile compiles the static step of --graphs")
@@ -82,7 +96,8 @@ def main() -> None:
     llm = load_llm(args.model_dir, args.device, dtype=getattr(torch, args.dtype))
     llm.min_len_ban_ids = tuple(sorted(llm.stop_ids))  # random weights: no row ends during the timing
     results = [
-        run_batch(llm, b, args.steps, args.warmup, args.device, args.graphs, args.compile) for b in args.batch
+        run_batch(llm, b, args.steps, args.warmup, args.device, args.graphs, args.compile, args.capacity)
+        for b in args.batch
     ]
     base = results[0]["tokens_per_s"]
     rows = [

@@ -171,13 +171,16 @@ def test_static_shape_flow_and_vocoder_steps_speak_as_eager(model, golden_dir):
     static = make_backend(model, golden_dir, max_segment_tokens=100, static_steps=True, graph_rows=4)
     captured = static.captured
     assert captured is not None and model.flow.decoder.estimator_runner is captured.flow
+    assert model.flow.encoder_runner is captured.encoder is not None
     counts_before = static.captured_counts()
     _, sinks_static = _run(static, jobs)  # _run closes the backend: the runners come off the model
-    assert counts_before["flow"]["replays"] == 0 and set(counts_before) == {"flow", "vocoder"}
+    assert counts_before["flow"]["replays"] == 0 and set(counts_before) == {"flow", "flow_encoder", "vocoder"}
     assert model.flow.decoder.estimator_runner is None and model.hift.decode_runner is None
+    assert model.flow.encoder_runner is None
     _, sinks_eager = _run(make_backend(model, golden_dir, max_segment_tokens=100), jobs)
     stats = captured.stats()
     assert stats["flow"].replays > 0 and stats["vocoder"].replays > 0
+    assert stats["flow_encoder"].replays > 0 and stats["flow_encoder"].eager == 0
     assert static.captured_counts() == {}  # closed: the stages came off the model (/metrics: none)
     assert {key[0] for key in stats["flow"].by_shape} <= {2, 4, 8}  # 2 CFG rows per utterance, padded
     for uid, _, _ in jobs:

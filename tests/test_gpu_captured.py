@@ -20,6 +20,7 @@ from flow_stream_helpers import stream_golden
 from voicertc.assemble import create_engine
 from voicertc.backends.cosyvoice.accel.captured import CudaCapture
 from voicertc.backends.cosyvoice.flow.captured import Buckets, CapturedEstimator
+from voicertc.backends.cosyvoice.flow.captured_encoder import CapturedEncoder
 from voicertc.backends.cosyvoice.flow.flow import CausalFlow
 from voicertc.backends.cosyvoice.flow.graph import StreamingEstimator
 from voicertc.backends.cosyvoice.hift.captured import CapturedHiftDecode
@@ -50,6 +51,22 @@ def test_flow_replays_equal_the_eager_stream_on_cuda(tiny_model_dir, tts_golden)
     finally:
         flow.decoder.estimator_runner = None
     assert runner.stats.failed is None and runner.stats.replays > 0 and runner.stats.captures > 0
+    assert (got - again).abs().max().item() == 0.0  # a replay is deterministic
+    assert (got - eager).abs().max().item() <= max(1e-4, 10 * floor)
+
+
+def test_flow_encoder_replays_equal_the_eager_stream_on_cuda(tiny_model_dir, tts_golden):
+    flow = CausalFlow.from_model_dir(tiny_model_dir).cuda()
+    eager = stream_golden(flow, tts_golden, HOPS)
+    floor = (stream_golden(flow, tts_golden, HOPS) - eager).abs().max().item()
+    buckets = Buckets(max_rows=4, key_quantum=32, max_keys=512, frame_buckets=(32, 64, 128), smallest_rows=1)
+    flow.encoder_runner = runner = CapturedEncoder(flow.encoder, buckets=buckets, capture=CudaCapture())
+    try:
+        got = stream_golden(flow, tts_golden, HOPS)
+        again = stream_golden(flow, tts_golden, HOPS)
+    finally:
+        flow.encoder_runner = None
+    assert runner.stats.failed is None and runner.stats.replays > 0 and runner.stats.eager == 0
     assert (got - again).abs().max().item() == 0.0  # a replay is deterministic
     assert (got - eager).abs().max().item() <= max(1e-4, 10 * floor)
 
@@ -145,6 +162,7 @@ def test_the_engine_speaks_with_every_stage_captured(captured_engine):
     stats = backend.captured.stats()
     assert backend.graphs.replays > 0
     assert stats["flow"].failed is None and stats["flow"].replays > 0
+    assert stats["flow_encoder"].failed is None and stats["flow_encoder"].replays > 0
     assert stats["vocoder"].failed is None and stats["vocoder"].replays > 0
 
 

@@ -73,9 +73,10 @@ class Buckets:
     key_quantum: int = 64
     max_keys: int = 4096
     frame_buckets: tuple[int, ...] = (64, 128, 256)
+    smallest_rows: int = 2  # the estimator's rows come in CFG pairs; the token encoder's one a call
 
     def shape(self, rows: int, frames: int, keys: int) -> StepShape | None:
-        padded_rows = row_bucket(rows, self.max_rows, smallest=2)
+        padded_rows = row_bucket(rows, self.max_rows, smallest=self.smallest_rows)
         if padded_rows is None or keys > self.max_keys:
             return None
         return StepShape(padded_rows, self.frames(frames), self.keys(keys))
@@ -94,7 +95,7 @@ class Buckets:
         return -(-frames // last) * last
 
     def rows_list(self) -> list[int]:
-        rows, out = 2, []
+        rows, out = self.smallest_rows, []
         while rows < self.max_rows:
             out.append(rows)
             rows *= 2

@@ -12,6 +12,7 @@ Runs on the engine thread. Two ways in:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -28,6 +29,9 @@ from voicertc.backends.cosyvoice.load.checkpoint import check_layout
 from voicertc.backends.cosyvoice.load.yaml_config import load_yaml
 from voicertc.engine.parts import Parts, run_to_end
 from voicertc.errors import InputError, ModelDirError
+
+# token embeddings [B, T, D_in], lookahead embeddings [B, L, D_in] | None, lined-up caches, chunk masks
+EncoderRunner = Callable[[Tensor, Tensor | None, list[EncoderCache], bool], Tensor]
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +125,9 @@ class CausalFlow(nn.Module):
         self.encoder = UpsampleConformerEncoder(cfg.encoder, cfg.pre_lookahead_tokens)
         self.encoder_proj = nn.Linear(cfg.encoder.output_size, cfg.mel_bins)
         self.decoder = CausalConditionalCFM(cfg.estimator, cfg.n_timesteps, cfg.inference_cfg_rate)
+        # `[engine] cuda_graphs`: the token encoder's captured static steps (`flow.captured_encoder`);
+        # called as `forward_rows` is, for one row or several that line up
+        self.encoder_runner: EncoderRunner | None = None
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu") -> CausalFlow:
@@ -370,7 +377,10 @@ class CausalFlow(nn.Module):
         state = chunk.state
         token_emb = self.input_embedding(chunk.tokens)
         context_emb = self.input_embedding(chunk.context) if chunk.context is not None else None
-        h = self.encoder(token_emb, context_emb, state.encoder, chunk_masks)
+        if self.encoder_runner is not None:
+            h = self.encoder_runner(token_emb, context_emb, [state.encoder], chunk_masks)
+        else:
+            h = self.encoder(token_emb, context_emb, state.encoder, chunk_masks)
         return self.encoder_proj(h).transpose(1, 2)
 
     def _encode_all(self, chunks: list[_Chunk], chunk_masks: bool) -> Tensor:
@@ -380,9 +390,9 @@ class CausalFlow(nn.Module):
             token_emb = self.input_embedding(torch.cat([c.tokens for c in chunks]))
             contexts = [c.context for c in chunks if c.context is not None]
             context_emb = self.input_embedding(torch.cat(contexts)) if contexts else None
-            h = self.encoder.forward_rows(
-                token_emb, context_emb, [c.state.encoder for c in chunks], chunk_masks
-            )
+            caches = [c.state.encoder for c in chunks]
+            runner = self.encoder_runner or self.encoder.forward_rows
+            h = runner(token_emb, context_emb, caches, chunk_masks)
             return self.encoder_proj(h).transpose(1, 2)
         return torch.cat([self._encode(c, chunk_masks) for c in chunks], dim=0)
 

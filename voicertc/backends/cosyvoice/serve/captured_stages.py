@@ -17,6 +17,7 @@ import torch
 
 from voicertc.backends.cosyvoice.accel.captured import Capture, GraphBudget, StageStats
 from voicertc.backends.cosyvoice.flow.captured import Buckets, CapturedEstimator
+from voicertc.backends.cosyvoice.flow.captured_encoder import CapturedEncoder, encoder_buckets
 from voicertc.backends.cosyvoice.flow.dit import DiT
 from voicertc.backends.cosyvoice.flow.graph import StreamingEstimator
 from voicertc.backends.cosyvoice.flow.qkv import fuse_qkv
@@ -42,9 +43,10 @@ class CapturedStages:
     budget: GraphBudget
     flow: CapturedEstimator | None
     hift: CapturedHiftDecode | CapturedCausalHift | None
+    encoder: CapturedEncoder | None = None  # v2's token encoder (v3's is one conv: eager)
 
     def stats(self) -> dict[str, StageStats]:
-        stages = {"flow": self.flow, "vocoder": self.hift}
+        stages = {"flow": self.flow, "flow_encoder": self.encoder, "vocoder": self.hift}
         return {name: stage.stats for name, stage in stages.items() if stage is not None}
 
     def warm(self, schedule: ChunkSchedule, warm_keys: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -52,11 +54,15 @@ class CapturedStages:
         bucket with histories up to `warm_keys` frames, HiFT's chunk shapes of `schedule` at every row
         count. Longer histories and other shapes are captured on first use (or run eagerly, counted)."""
         started = time.perf_counter()
-        flow_n = hift_n = 0
+        flow_n = hift_n = encoder_n = 0
+        like = torch.zeros(1, device=device, dtype=dtype)
         if self.flow is not None:
             b = self.flow.buckets
-            like = torch.zeros(1, device=device, dtype=dtype)
             flow_n = self.flow.warm(b.rows_list(), list(b.frame_buckets), b.keys_list(warm_keys), like)
+        if self.encoder is not None:  # cached tokens: half the frames (a first chunk's voice prompt)
+            e = self.encoder.buckets
+            keys = e.keys_list(max(warm_keys // 2, e.key_quantum))
+            encoder_n = self.encoder.warm(e.rows_list(), list(e.frame_buckets), keys, like)
         rows = [r for r in (1, 2, 4, 8, 16, 32, 64) if r < self.hift.max_rows] if self.hift else []
         if isinstance(self.hift, CapturedCausalHift):  # v3: the phases of an utterance's first chunks
             chunks = [2 * schedule.hop_tokens(i) for i in range(WARM_CHUNKS)]
@@ -68,8 +74,9 @@ class CapturedStages:
             like = torch.zeros(1, device=device, dtype=torch.float32)
             hift_n = self.hift.warm(rows, sorted(set(frames)), like)
         logger.info(
-            "captured at start: %d flow buckets, %d vocoder buckets in %.1f s (%.0f MB of %.0f MB budget)",
-            flow_n, hift_n, time.perf_counter() - started, self.budget.used_bytes / 2**20,
+            "captured at start: %d flow buckets, %d flow encoder buckets, %d vocoder buckets in %.1f s "
+            "(%.0f MB of %.0f MB budget)",
+            flow_n, encoder_n, hift_n, time.perf_counter() - started, self.budget.used_bytes / 2**20,
             self.budget.limit_bytes / 2**20,
         )  # fmt: skip
 
@@ -112,6 +119,13 @@ def install_captured_steps(
             budget=budget, compile=compile,
         )  # fmt: skip
         decoder.estimator_runner = flow
+    encoder = None
+    flow_module = model.flow
+    if flow_module.encodes_rows and flow_module.encoder_runner is None:  # v2's conformer token encoder
+        encoder = CapturedEncoder(
+            flow_module.encoder, buckets=encoder_buckets(max_utterances), capture=capture, budget=budget
+        )
+        flow_module.encoder_runner = encoder
     hift: CapturedHiftDecode | CapturedCausalHift | None = None
     if isinstance(model.hift, HiFTGenerator):
         hift = CapturedHiftDecode(model.hift, max_rows=max_utterances, capture=capture, budget=budget)
@@ -121,15 +135,17 @@ def install_captured_steps(
         model.hift.synthesis_runner = hift
     flow_mode = ("compiled" if compile else "on") if flow else "off"
     logger.info(
-        "captured steps: flow %s, vocoder %s, budget %.0f MB",
-        flow_mode, "on" if hift else "off", budget.limit_bytes / 2**20,
+        "captured steps: flow %s, flow encoder %s, vocoder %s, budget %.0f MB",
+        flow_mode, "on" if encoder else "off", "on" if hift else "off", budget.limit_bytes / 2**20,
     )  # fmt: skip
-    return CapturedStages(budget, flow, hift)
+    return CapturedStages(budget, flow, hift, encoder)
 
 
 def remove_captured_steps(model: CosyVoice2Model, stages: CapturedStages) -> None:
     if stages.flow is not None and model.flow.decoder.estimator_runner is stages.flow:
         model.flow.decoder.estimator_runner = None
+    if stages.encoder is not None and model.flow.encoder_runner is stages.encoder:
+        model.flow.encoder_runner = None
     if stages.hift is not None and isinstance(model.hift, HiFTGenerator):
         model.hift.decode_runner = None
     if stages.hift is not None and isinstance(model.hift, CausalHiFTGenerator):

@@ -24,14 +24,21 @@ def _runner(flow: CausalFlow, max_keys: int = 256, capture=None) -> CapturedEnco
     return CapturedEncoder(flow.encoder, buckets=buckets, capture=capture or CountingCapture())
 
 
-def _stream(flow: CausalFlow, tts_golden, rows: int, hops: list[int], runner) -> list[torch.Tensor]:
-    """`rows` utterances (different tokens) on the golden voice, streamed together; mel per row."""
+def _stream(
+    flow: CausalFlow, tts_golden, rows: int, hops: list[int], runner, forked: bool = False
+) -> list[torch.Tensor]:
+    """`rows` utterances (different tokens) on the golden voice, streamed together; mel per row.
+    `forked`: the voice has an encoded history first (as a longer prompt has), so every utterance's
+    caches start with it as a read-only prefix (`KVCache.fork`)."""
     flow.encoder_runner = runner
     try:
         voice = golden_flow_voice(flow, tts_golden)
+        pad = -tts_golden["in_prompt_token"].shape[1] % GRID
+        if forked:
+            flow.stream_step(tts_golden["in_token"][:, : pad + 25 + LOOKAHEAD], voice, finalize=False)
+            pad = 0
         states = [voice.clone() for _ in range(rows)]
         speech = [torch.roll(tts_golden["in_token"], shifts=7 * r, dims=1) for r in range(rows)]
-        pad = -tts_golden["in_prompt_token"].shape[1] % GRID
         outs: list[list[torch.Tensor]] = [[] for _ in range(rows)]
         offset = 0
         for index, hop in enumerate(hops):
@@ -48,23 +55,27 @@ def _stream(flow: CausalFlow, tts_golden, rows: int, hops: list[int], runner) ->
         flow.encoder_runner = None
 
 
+@pytest.mark.parametrize("forked", [False, True], ids=["fresh", "voice-prefix"])
 @pytest.mark.parametrize("rows", [1, ROWS])
-def test_streamed_chunks_through_the_static_encoder_equal_the_eager_encoder(flow, tts_golden, rows):
+def test_streamed_chunks_through_the_static_encoder_equal_the_eager_encoder(flow, tts_golden, rows, forked):
     hops = [25, 50]
-    eager = _stream(flow, tts_golden, rows, hops, None)
+    eager = _stream(flow, tts_golden, rows, hops, None, forked)
     runner = _runner(flow)
-    static = _stream(flow, tts_golden, rows, hops, runner)
+    static = _stream(flow, tts_golden, rows, hops, runner, forked)
     for r in range(rows):
         assert static[r].shape == eager[r].shape
         assert (static[r] - eager[r]).abs().max().item() <= TOL
     if rows > 1:
         assert (eager[0] - eager[1]).abs().max().item() > 1e-3  # the rows really differ
     stats = runner.stats
-    assert stats.eager == 0 and stats.replays == len(hops) + 1  # every chunk, the final one too
-    padded = {key for key in stats.by_shape}
-    assert all(key[0] == (1 if rows == 1 else 4) for key in padded)  # rows padded to their bucket
+    # every chunk, the final one too (and the history of the forked voice)
+    assert stats.eager == 0 and stats.replays == len(hops) + 1 + forked
+    row_buckets = {key[0] for key in stats.by_shape}  # rows padded to their bucket (the voice's: 1)
+    assert row_buckets == ({1} if rows == 1 else {4} | ({1} if forked else set()))
     # the chunks' tokens were padded (no chunk here is a bucket's exact length)
     assert runner.buckets.frames(hops[1]) > hops[1]
+    # the voice's history (each row's own fork of it) packed once per stage, for every chunk
+    assert len(runner._prefix_packs) == (2 if forked else 0)
 
 
 def test_rows_at_different_positions_run_one_by_one_and_equal_the_eager_encoder(flow, tts_golden):

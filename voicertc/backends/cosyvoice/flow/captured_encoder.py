@@ -63,6 +63,7 @@ NEW_KV = frozenset({3, 4})  # views of the room in the static K/V inputs, append
 ENCODER_BUCKETS = Buckets(
     max_rows=16, key_quantum=32, max_keys=2048, frame_buckets=(32, 64, 128), smallest_rows=1
 )
+PACKED_PREFIXES = 8  # voices' packed prompt prefixes kept (per stage); the oldest goes first
 MAX_CHUNK_TOKENS = 256  # longer chunks (a whole-utterance window) run eagerly: the tables stop here
 
 
@@ -275,19 +276,20 @@ class _CacheKV:
                     out[i, 1, b].narrow(1, p, cache.length).copy_(cache.values[0, :, : cache.length])
 
     def _prefix(self, rows: list[list]) -> Tensor | None:
-        """The rows' shared read-only prefix of every layer as one [L, 2, 1, H, P, Dh] tensor, packed
-        once per voice; rows with prefixes of their own get theirs stacked."""
+        """The rows' read-only prefix of every layer as one [L, 2, 1, H, P, Dh] tensor: one voice's prompt
+        is packed once (its utterances' forks are views of the same frames, `KVCache.fork`, which are
+        never written again), rows on different prefixes get theirs stacked."""
         firsts = [row[0].prefix_keys for row in rows]
-        if firsts[0] is None:
+        first = firsts[0]
+        if first is None:
             return None
-        if all(f is firsts[0] for f in firsts):
-            key = id(firsts[0])
+        key = (first.data_ptr(), tuple(first.shape), first.device)
+        if all(f is not None and (f.data_ptr(), tuple(f.shape), f.device) == key for f in firsts):
             packed = self._prefix_packs.get(key)
-            if packed is None or packed[0] is not firsts[0]:
-                packed = (firsts[0], _pack_prefix(rows[0]))
-                if len(self._prefix_packs) >= 8:  # a few voices at once; the oldest goes
+            if packed is None:  # the pack holds the prefix (its frames stay put while the pack lives)
+                if len(self._prefix_packs) >= PACKED_PREFIXES:
                     self._prefix_packs.pop(next(iter(self._prefix_packs)))
-                self._prefix_packs[key] = packed
+                packed = self._prefix_packs[key] = (first, _pack_prefix(rows[0]))
             return packed[1]
         return torch.cat([_pack_prefix(row) for row in rows], dim=2)
 
@@ -322,7 +324,7 @@ class CapturedEncoder:
         )  # fmt: skip
         self._positions_key: tuple[object, ...] | None = None
         self._positions: _Positions | None = None
-        self._prefix_packs: dict[int, tuple[Tensor, Tensor]] = {}
+        self._prefix_packs: dict[tuple[object, ...], tuple[Tensor, Tensor]] = {}
 
     @property
     def stats(self) -> StageStats:

@@ -49,6 +49,7 @@ from voicertc.backends.cosyvoice.flow.encoder import (
     chunk_attention_mask,
     rows_line_up,
 )
+from voicertc.backends.cosyvoice.flow.kv import append_rows
 
 logger = logging.getLogger(__name__)
 
@@ -350,14 +351,16 @@ class CapturedEncoder:
             outputs = self.module(*as_tensors(inputs))
         frames, lookahead_new, upsample_new, new_tokens, new_frames = outputs
         stride = self.encoder.up_layer.stride
+        rows, real = len(caches), stride * tokens
+        for i in range(len(caches[0].layers)):  # rows that started together: one store a layer
+            layer = new_tokens[i, :, :rows, :, :tokens]
+            append_rows([c.layers[i] for c in caches], layer[0], layer[1])
+        for i in range(len(caches[0].up_layers)):
+            layer = new_frames[i, :, :rows, :, :real]
+            append_rows([c.up_layers[i] for c in caches], layer[0], layer[1])
         for b, cache in enumerate(caches):
             cache.lookahead_tail = lookahead_new[b : b + 1]
             cache.upsample_tail = upsample_new[b : b + 1]
-            for i, kv in enumerate(cache.layers):
-                kv.append(new_tokens[i, 0, b : b + 1, :, :tokens], new_tokens[i, 1, b : b + 1, :, :tokens])
-            for i, kv in enumerate(cache.up_layers):
-                real = stride * tokens
-                kv.append(new_frames[i, 0, b : b + 1, :, :real], new_frames[i, 1, b : b + 1, :, :real])
             cache.tokens = start + tokens
         return frames[:, : stride * tokens]
 

@@ -34,6 +34,14 @@ MOVE_RATE = 4  # frames moved per frame appended while moving (done after 3/16 o
 MIN_CAPACITY_FRAMES = 64
 
 
+@dataclass(eq=False)
+class JointRows:
+    """The own buffers of several caches as the rows of one tensor pair (`append_rows`)."""
+
+    keys: Tensor  # [B, heads, capacity, head_dim]
+    values: Tensor
+
+
 @dataclass
 class KVCache:
     """Keys and values of the frames [0, length), each [B, heads, capacity, head_dim].
@@ -55,6 +63,8 @@ class KVCache:
     reserve_frames: int = 0  # capacity of the first buffer (see `FlowStreamState`: CPU reserves)
     prefix_keys: Tensor | None = None  # [B, heads, P, head_dim] frames [0, P), read-only (`fork`)
     prefix_values: Tensor | None = None
+    joint: JointRows | None = None  # own frames as row `joint_row` of a joint buffer (`append_rows`)
+    joint_row: int = 0
 
     @property
     def prefix_frames(self) -> int:
@@ -167,6 +177,81 @@ class KVCache:
         if stop == self.move_end:
             self.keys, self.values = self.next_keys, self.next_values
             self.next_keys = self.next_values = None
+
+
+def append_rows(caches: list[KVCache], keys: Tensor, values: Tensor) -> None:
+    """`append` of row b of `keys` / `values` [B, H, n, Dh] to `caches[b]`, with one store for all rows
+    when they can share one: fresh caches (nothing own yet) get their own buffers as the rows of one
+    buffer pair (`JointRows`), and while every row of it appends together at one length, a chunk is
+    one copy for keys and one for values, growing by doubling with one copy of every row (what a
+    batched chunk of utterances that started together costs on a GPU: launches, not bytes). Any
+    other set of caches appends row by row (`KVCache.append`), and a row that appended alone or grew
+    on its own leaves the joint buffer for good."""
+    n = keys.shape[2]
+    joint = _joint_of(caches)
+    if joint is None and len(caches) > 1 and all(_fresh(c) for c in caches):
+        joint = _new_joint(caches, keys)
+    if joint is None:
+        for b, cache in enumerate(caches):
+            cache.append(keys[b : b + 1], values[b : b + 1])
+        return
+    start = caches[0].length
+    end = start + n
+    if end > joint.keys.shape[2]:
+        joint = _grow_joint(caches, joint, end)
+    joint.keys[:, :, start:end] = keys
+    joint.values[:, :, start:end] = values
+    for cache in caches:
+        cache.length = end
+        cache.written_elements += 2 * keys[:1].numel()
+
+
+def _fresh(cache: KVCache) -> bool:
+    return cache.keys is None and not cache.length and cache.next_keys is None
+
+
+def _joint_of(caches: list[KVCache]) -> JointRows | None:
+    """The joint buffer every cache is still a row of, in order and at one length (else None)."""
+    joint = caches[0].joint
+    if joint is None or joint.keys.shape[0] != len(caches):
+        return None
+    for b, cache in enumerate(caches):
+        if (
+            cache.joint is not joint
+            or cache.joint_row != b
+            or cache.shared
+            or cache.next_keys is not None
+            or cache.length != caches[0].length
+            or cache.keys is None
+            or cache.keys.data_ptr() != joint.keys[b].data_ptr()
+            or cache.keys.shape[2] != joint.keys.shape[2]
+        ):
+            return None
+    return joint
+
+
+def _new_joint(caches: list[KVCache], like: Tensor) -> JointRows:
+    capacity = max(MIN_CAPACITY_FRAMES, 2 * like.shape[2], caches[0].reserve_frames)
+    shape = (len(caches), like.shape[1], capacity, like.shape[3])
+    return _adopt(caches, JointRows(like.new_empty(shape), like.new_empty(shape)))
+
+
+def _grow_joint(caches: list[KVCache], joint: JointRows, needed: int) -> JointRows:
+    length = caches[0].length
+    shape = (*joint.keys.shape[:2], max(2 * joint.keys.shape[2], 2 * needed), joint.keys.shape[3])
+    grown = JointRows(joint.keys.new_empty(shape), joint.values.new_empty(shape))
+    grown.keys[:, :, :length] = joint.keys[:, :, :length]
+    grown.values[:, :, :length] = joint.values[:, :, :length]
+    for cache in caches:
+        cache.written_elements += 2 * joint.keys[:1, :, :length].numel()
+    return _adopt(caches, grown)
+
+
+def _adopt(caches: list[KVCache], joint: JointRows) -> JointRows:
+    for b, cache in enumerate(caches):
+        cache.keys, cache.values = joint.keys[b : b + 1], joint.values[b : b + 1]
+        cache.joint, cache.joint_row, cache.shared = joint, b, False
+    return joint
 
 
 def two_segment_attention(

@@ -16,8 +16,10 @@ Floor plan (data flows down the list: text -> speech_tokens -> mel -> wav -> pcm
              sampling.py (RAS), vllm/ (the vLLM runner, its model, plugin and RAS logits processor)
     flow/    speech tokens -> mel (causal CFM, chunk by chunk with caches)
              config.py / config_v3.py, flow.py (v2) / flow_v3.py, encoder.py, unet.py (v2 estimator),
-             dit.py (v3 estimator), cfm.py (Euler solver with CFG), kv.py (two-segment attention),
-             graph.py (the estimator with explicit caches: ONNX / TensorRT runners)
+             dit.py (v3 estimator), cfm.py (Euler solver with CFG), kv.py (growing K/V, rows appended
+             together, two-segment attention),
+             graph.py (the estimator with explicit caches: ONNX / TensorRT runners), captured.py /
+             captured_encoder.py (the estimator and the token encoder as captured static-shape steps)
     hift/    mel -> wav (24 kHz)
              generator.py (v2 HiFT) / causal.py (v3 causal HiFT), source.py / source_causal.py
              (f0 -> excitation), stream.py (streaming state + the one chunk tail), batch.py (rows of

@@ -202,7 +202,15 @@ def positions(
     bias_f, index_f = _bias_and_index(
         stride * start, stride * tokens, stride * shape.keys, stride * shape.frames, up_chunk, dtype
     )
-    return _Positions(*(t.to(device) for t in (keep, tail, bias_t, bias_f, index_t, index_f)))
+    return _Positions(*(_to_device(t, device) for t in (keep, tail, bias_t, bias_f, index_t, index_f)))
+
+
+def _to_device(t: Tensor, device: torch.device) -> Tensor:
+    """A host-made tensor on `device`; to a GPU from pinned memory without a stream sync (a pageable
+    copy waits for everything queued before it)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _bias_and_index(

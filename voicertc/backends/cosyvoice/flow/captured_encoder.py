@@ -49,7 +49,7 @@ from voicertc.backends.cosyvoice.flow.encoder import (
     chunk_attention_mask,
     rows_line_up,
 )
-from voicertc.backends.cosyvoice.flow.kv import append_rows
+from voicertc.backends.cosyvoice.flow.kv import append_rows, joint_of
 
 logger = logging.getLogger(__name__)
 
@@ -277,12 +277,20 @@ class _CacheKV:
         p = 0 if prefix is None else prefix.shape[4]
         if prefix is not None:
             out.narrow(4, 0, p).copy_(prefix.expand(-1, -1, len(rows), -1, -1, -1))
-        if self.frames > p:
-            for b, row in enumerate(rows):
-                for i, cache in enumerate(row):
-                    assert cache.keys is not None and cache.values is not None
-                    out[i, 0, b].narrow(1, p, cache.length).copy_(cache.keys[0, :, : cache.length])
-                    out[i, 1, b].narrow(1, p, cache.length).copy_(cache.values[0, :, : cache.length])
+        if self.frames == p:
+            return
+        for i in range(len(rows[0])):
+            layer = [row[i] for row in rows]
+            own = layer[0].length
+            joint = joint_of(layer)
+            if joint is not None:  # rows that started together: their own frames in one copy
+                out[i, 0].narrow(2, p, own).copy_(joint.keys[:, :, :own])
+                out[i, 1].narrow(2, p, own).copy_(joint.values[:, :, :own])
+                continue
+            for b, cache in enumerate(layer):
+                assert cache.keys is not None and cache.values is not None
+                out[i, 0, b].narrow(1, p, cache.length).copy_(cache.keys[0, :, : cache.length])
+                out[i, 1, b].narrow(1, p, cache.length).copy_(cache.values[0, :, : cache.length])
 
     def _prefix(self, rows: list[list]) -> Tensor | None:
         """The rows' read-only prefix of every layer as one [L, 2, 1, H, P, Dh] tensor: one voice's prompt

@@ -188,7 +188,7 @@ def append_rows(caches: list[KVCache], keys: Tensor, values: Tensor) -> None:
     other set of caches appends row by row (`KVCache.append`), and a row that appended alone or grew
     on its own leaves the joint buffer for good."""
     n = keys.shape[2]
-    joint = _joint_of(caches)
+    joint = joint_of(caches)
     if joint is None and len(caches) > 1 and all(_fresh(c) for c in caches):
         joint = _new_joint(caches, keys)
     if joint is None:
@@ -210,7 +210,7 @@ def _fresh(cache: KVCache) -> bool:
     return cache.keys is None and not cache.length and cache.next_keys is None
 
 
-def _joint_of(caches: list[KVCache]) -> JointRows | None:
+def joint_of(caches: list[KVCache]) -> JointRows | None:
     """The joint buffer every cache is still a row of, in order and at one length (else None)."""
     joint = caches[0].joint
     if joint is None or joint.keys.shape[0] != len(caches):

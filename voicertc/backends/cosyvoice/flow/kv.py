@@ -181,15 +181,15 @@ class KVCache:
 
 def append_rows(caches: list[KVCache], keys: Tensor, values: Tensor) -> None:
     """`append` of row b of `keys` / `values` [B, H, n, Dh] to `caches[b]`, with one store for all rows
-    when they can share one: fresh caches (nothing own yet) get their own buffers as the rows of one
-    buffer pair (`JointRows`), and while every row of it appends together at one length, a chunk is
-    one copy for keys and one for values, growing by doubling with one copy of every row (what a
-    batched chunk of utterances that started together costs on a GPU: launches, not bytes). Any
+    when they can share one: fresh caches (nothing own yet; one row too) get their own buffers as the
+    rows of one buffer pair (`JointRows`), and while every row of it appends together at one length, a
+    chunk is one copy for keys and one for values, growing by doubling with one copy of every row (what
+    a batched chunk of utterances that started together costs on a GPU: launches, not bytes). Any
     other set of caches appends row by row (`KVCache.append`), and a row that appended alone or grew
     on its own leaves the joint buffer for good."""
     n = keys.shape[2]
     joint = joint_of(caches)
-    if joint is None and len(caches) > 1 and all(_fresh(c) for c in caches):
+    if joint is None and all(_fresh(c) for c in caches):
         joint = _new_joint(caches, keys)
     if joint is None:
         for b, cache in enumerate(caches):

@@ -8,7 +8,7 @@ B sessions (30 text tokens, a 75-token prompt, RAS sampling with their own gener
 on their own slots of one `SlotKV`, then `decode_batch` runs all B rows per step. Reports wall ms per
 step (p50 over the runs), the engine thread's CPU ms per step, and total tokens/s (B / step time), with
 the speed-up over batch 1. `--graphs` runs the batched rows as CUDA graph replays (`DecodeGraphs`, one
-per batch bucket; CUDA only). Writes bench/results/cv2_llm_batch_<device>.json.
+per (batch, key span) bucket; CUDA only). Writes bench/results/cv2_llm_batch_<device>.json.
 """
 
 from __future__ import annotations
@@ -86,8 +86,8 @@ def main() -> None:
         "--capacity",
         type=int,
         default=512,
-        help="K/V positions per slot (a replayed step attends over all of them; the engine's with "
-        "cuda_graphs: 2048, `GRAPH_KV_CAPACITY`)",
+        help="K/V positions per slot (the engine's with cuda_graphs: 2048, `GRAPH_KV_CAPACITY`); a "
+        "replayed step attends over its rows' span bucket (256, 512, ...), not all of them",
     )
     args = parser.parse_args()
     if args.compile and not args.graphs:

@@ -95,4 +95,23 @@ def test_after_warm_up_a_step_that_would_compile_runs_uncompiled_and_is_counted(
         expected = head(eager.forward(eager_rows[:1], embeds)[:, -1])
         assert_close(graphs.logits(static_rows[:1], embeds), expected, atol=1e-4, rtol=1e-5)
     assert counters["stats"]["unique_graphs"] == graphs_before  # nothing compiled after the seal
-    assert graphs.uncompiled == 1 and not graphs._steps[1].compiled and graphs._steps[2].compiled
+    assert graphs.uncompiled == 1 and not graphs._steps[(1, 32)].compiled and graphs._steps[(2, 32)].compiled
+
+
+def test_one_compile_serves_every_key_span(llm):
+    """The span a step attends over is a symbol of the compiled step (the length of `key_positions`):
+    rows growing across spans 8, 16, 32 and 64 compile once, and every step equals the eager one."""
+    backbone, head = llm.llm.model.model, llm.llm_decoder
+    hidden = backbone.config.hidden_size
+    eager = SlotKV(backbone, slots=4, capacity=64, fused=True)
+    static = SlotKV(backbone, slots=4, capacity=64, fused=True)
+    graphs = DecodeGraphs(static, head, max_rows=2, compile=True, span_quantum=8)
+    eager_rows, static_rows = _rows(eager, hidden, [4, 6]), _rows(static, hidden, [4, 6])
+    gen = torch.Generator().manual_seed(15)
+    graphs_before = counters["stats"]["unique_graphs"]
+    for _ in range(40):
+        embeds = torch.randn(2, 1, hidden, generator=gen)
+        expected = head(eager.forward(eager_rows, embeds)[:, -1])
+        assert_close(graphs.logits(static_rows, embeds), expected, atol=1e-4, rtol=1e-5)
+    assert {span for _, span in graphs._steps} == {8, 16, 32, 64}
+    assert counters["stats"]["unique_graphs"] - graphs_before <= 1

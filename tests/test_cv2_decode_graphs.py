@@ -1,9 +1,9 @@
 """The static-shape decode step behind `[engine] cuda_graphs` (decode_graphs.DecodeGraphs) on CPU.
 
-On a CPU the padded, whole-capacity step runs eagerly without capture; it must give the logits of
-`SlotKV.forward` (the batched==unbatched reference) for any batch size, pad the rest of its bucket into
-a scratch row no utterance owns, and survive the pool growing under it. The capture/replay itself is
-checked on CUDA (tests/test_gpu.py).
+On a CPU the padded step (over its span bucket of positions) runs eagerly without capture; it must
+give the logits of `SlotKV.forward` (the batched==unbatched reference) for any batch size, pad the rest
+of its bucket into a scratch row no utterance owns, read no key past its span, and survive the pool
+growing under it. The capture/replay itself is checked on CUDA (tests/test_gpu.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,13 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs, batch_buckets, bucket_for
+from voicertc.backends.cosyvoice.llm.graphs import (
+    DecodeGraphs,
+    batch_buckets,
+    bucket_for,
+    span_for,
+    spans_up_to,
+)
 from voicertc.backends.cosyvoice.llm.kv import SlotKV
 from voicertc.backends.cosyvoice.load.v2 import load_llm
 
@@ -112,3 +118,38 @@ def test_bad_steps_are_refused(llm):
         graphs.logits([slot], torch.zeros(1, 1, hidden))
     with pytest.raises(ValueError, match="CUDA"):
         DecodeGraphs(pool, head, max_rows=4, capture=True)
+
+
+def test_spans_double_from_the_quantum_up_to_the_capacity():
+    assert span_for(1, 256, 2048) == 256 and span_for(256, 256, 2048) == 256
+    assert span_for(257, 256, 2048) == 512 and span_for(1500, 256, 2048) == 2048
+    assert span_for(300, 256, 300) == 300 and span_for(10, 256, 64) == 64  # never past the pool
+    assert spans_up_to(256, 2048) == [256, 512, 1024, 2048]
+    assert spans_up_to(256, 3000) == [256, 512, 1024, 2048, 3000] and spans_up_to(256, 64) == [64]
+
+
+def test_a_step_attends_over_its_rows_span_not_the_capacity_and_stays_exact(llm):
+    """Rows growing across span buckets (8, 16, 32, then the capacity of 64): each step runs the
+    bucket of the longest row's next position and gives the eager step's logits; a step's keys past
+    its span are never read (poisoned here: a step that read them would be NaN)."""
+    backbone, head = llm.llm.model.model, llm.llm_decoder
+    hidden = backbone.config.hidden_size
+    eager_pool, static_pool = SlotKV(backbone, slots=4, capacity=64), SlotKV(backbone, slots=4, capacity=64)
+    graphs = DecodeGraphs(static_pool, head, max_rows=4, span_quantum=8)
+    eager_rows = _prefilled(eager_pool, llm, [3, 5], seed=5)
+    static_rows = _prefilled(static_pool, llm, [3, 5], seed=5)
+    gen = torch.Generator().manual_seed(6)
+    spans = []
+    for _ in range(40):
+        longest = max(r.length for r in static_rows)
+        span = span_for(longest + 1, 8, static_pool.capacity)
+        for cache in (*static_pool.keys, *static_pool.values):  # masked inside the span, never read past it
+            for row in static_rows:
+                cache[row.index, :, row.length : span] = 0.0
+            cache[:, :, span:] = float("nan")
+        embeds = torch.randn(2, 1, hidden, generator=gen)
+        expected = head(eager_pool.forward(eager_rows, embeds)[:, -1])
+        assert_close(graphs.logits(static_rows, embeds), expected, atol=1e-5, rtol=1e-5)
+        spans.append(span)
+    assert spans[0] == 8 and sorted(set(spans)) == [8, 16, 32, 64]
+    assert {key for key in graphs._steps} == {(2, 8), (2, 16), (2, 32), (2, 64)}

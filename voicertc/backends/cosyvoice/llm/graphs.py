@@ -2,9 +2,13 @@
 
 `[engine] cuda_graphs = true` (CUDA only). A decode step of B rows on a `SlotKV` is padded to the
 smallest bucket >= B (1, 2, 4, ... up to `max_rows`); the pad rows write into a scratch row of the pool
-that no utterance owns. Every row attends over the pool's whole capacity (masked to its own length), so
-a step's shapes depend on the bucket alone: the graph of that bucket, captured once, replays it with a
-few host->device copies and no kernel launches from Python. A pool that grows (more slots, more
+that no utterance owns. Every row attends over a span of positions (masked to its own length): the
+smallest of `span_quantum`, twice that, ... that holds every row's next position, at most the pool's
+capacity, so a step's shapes depend on its (rows, span) bucket alone: the graph of that bucket, captured
+once, replays it with a few host->device copies and no kernel launches from Python. The span follows
+the rows' lengths, not the capacity: a decode step's attention is one query against every key of its
+span (a handful of thread blocks walking the keys on a GPU), and the engine's capacity of 2,048
+positions made every step of a short utterance walk all of them. A pool that grows (more slots, more
 positions) reallocates its K/V tensors and the graphs are captured again.
 
 On a CPU the same padded static step runs eagerly (no capture), which is what the CPU tests check
@@ -14,7 +18,7 @@ against `SlotKV.forward`; on CUDA the gpu tests check that replay gives the eage
 (inductor) before it is captured: the ~20 small kernels a layer (norms, rotary, the residual adds, the
 gated activation, the cache writes) become a few fused ones, and the capture replays those. One
 compile for one row and one for every larger bucket (the batch dimension, the pool's slots and
-positions are symbolic), both at warm-up; after it (`seal`) a step that would compile again runs
+positions and the span are symbolic), both at warm-up; after it (`seal`) a step that would compile again runs
 uncompiled (`accel.compiled.call_sealed`), counted. A CPU compiles it to C++ the same way (what the CPU
 tests check).
 """
@@ -53,14 +57,36 @@ def bucket_for(rows: int, buckets: tuple[int, ...]) -> int | None:
     return next((b for b in buckets if b >= rows), None)
 
 
+SPAN_QUANTUM = 256  # the shortest key span a step attends over (positions)
+
+
+def span_for(positions: int, quantum: int, capacity: int) -> int:
+    """The key span of a step whose rows need `positions` positions: `quantum` doubling until it holds
+    them, at most `capacity` (the pool has grown to hold them). Pure."""
+    span = quantum
+    while span < positions:
+        span *= 2
+    return min(span, capacity)
+
+
+def spans_up_to(quantum: int, capacity: int) -> list[int]:
+    """Every span a pool of `capacity` positions meets."""
+    spans = [min(quantum, capacity)]
+    while spans[-1] < capacity:
+        spans.append(min(2 * spans[-1], capacity))
+    return spans
+
+
 @dataclass(eq=False)
 class StaticStep:
     """One bucket's fixed input/output buffers (and its captured graph, on CUDA)."""
 
     rows: int
+    span: int  # key positions every row attends over ([0, span), masked to its own length)
     index: Tensor  # [rows] pool row of each batch row
     positions: Tensor  # [rows, 1] the position each row writes
     embeds: Tensor  # [rows, 1, H]
+    key_positions: Tensor  # [span]: the span as a tensor's length (a symbol of the compiled step)
     logits: Tensor | None = None  # [rows, V] (written by the step)
     graph: torch.cuda.CUDAGraph | None = None
     compiled: bool = False  # runs the compiled step (else the uncompiled one)
@@ -76,16 +102,18 @@ class DecodeGraphs:
         max_rows: int,
         capture: bool | None = None,
         compile: bool = False,
+        span_quantum: int = SPAN_QUANTUM,
     ) -> None:
         self.pool = pool
         self.head = head  # hidden [B, H] -> logits [B, V] (`llm_decoder`)
         self.buckets = batch_buckets(max_rows)
+        self.span_quantum = span_quantum
         self.capture = pool.device.type == "cuda" if capture is None else capture
         if self.capture and pool.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA pool")
         self.scratch = pool.acquire()  # the pad rows' row: owned by no utterance
         self.hidden_size = int(pool.backbone.config.hidden_size)
-        self._steps: dict[int, StaticStep] = {}
+        self._steps: dict[tuple[int, int], StaticStep] = {}  # by (rows, span)
         self._generation = pool.generation
         self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
         self.captures = 0
@@ -93,7 +121,7 @@ class DecodeGraphs:
         self.uncompiled = 0  # steps made after warm-up that run uncompiled (compiling again refused)
         self.compiled = compile
         self.sealed = False
-        self._static_step: Callable[[Tensor, Tensor, Tensor], Tensor] = self._static_logits
+        self._static_step: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] = self._static_logits
         if compile:  # the batch dimension marked dynamic per bucket (`_step`), the rest static
             self._static_step = compiled_step(self._static_logits, dynamic=None)
 
@@ -102,9 +130,10 @@ class DecodeGraphs:
         self.scratch.release()
 
     def warm(self) -> None:
-        """Capture every bucket now (at start-up, not during the first calls)."""
+        """Capture every (rows, span) bucket now (at start-up, not during the first calls)."""
         for rows in self.buckets:
-            self._step(rows)
+            for span in spans_up_to(self.span_quantum, self.pool.capacity):
+                self._step(rows, span)
 
     def seal(self) -> None:
         """Warm-up is over: a step made from now on (a grown pool's) never compiles again."""
@@ -129,7 +158,8 @@ class DecodeGraphs:
             self._generation = self.pool.generation
             if self.capture:  # the old graphs' private memory pool dies with them: a new one
                 self._mempool = torch.cuda.graph_pool_handle()
-        step = self._step(bucket)
+        span = span_for(max(r.length for r in rows) + 1, self.span_quantum, self.pool.capacity)
+        step = self._step(bucket, span)
         pad = bucket - len(rows)
         index = [r.index for r in rows] + [self.scratch.index] * pad
         positions = [r.length for r in rows] + [0] * pad
@@ -145,10 +175,12 @@ class DecodeGraphs:
 
     def _forward(self, step: StaticStep) -> Tensor:
         fn = self._static_step if step.compiled else self._static_logits
-        return fn(step.index, step.positions, step.embeds)
+        return fn(step.index, step.positions, step.embeds, step.key_positions)
 
-    def _static_logits(self, index: Tensor, positions: Tensor, embeds: Tensor) -> Tensor:
-        hidden = self.pool.run(index, positions, embeds, self.pool.capacity)
+    def _static_logits(
+        self, index: Tensor, positions: Tensor, embeds: Tensor, key_positions: Tensor
+    ) -> Tensor:
+        hidden = self.pool.run(index, positions, embeds, key_positions.shape[0])
         return self.head(hidden[:, -1])
 
     def _replay(self, step: StaticStep) -> None:
@@ -158,20 +190,22 @@ class DecodeGraphs:
         else:
             step.logits = self._forward(step)
 
-    def _step(self, rows: int) -> StaticStep:
-        step = self._steps.get(rows)
+    def _step(self, rows: int, span: int) -> StaticStep:
+        step = self._steps.get((rows, span))
         if step is not None:
             return step
         device, dtype = self.pool.device, self.pool.dtype
         with torch.inference_mode(False):  # ordinary tensors, at warm-up or not (a compile guards on it)
             step = StaticStep(
                 rows=rows,
+                span=span,
                 index=torch.full((rows,), self.scratch.index, dtype=torch.long, device=device),
                 positions=torch.zeros((rows, 1), dtype=torch.long, device=device),
                 embeds=torch.zeros((rows, 1, self.hidden_size), dtype=dtype, device=device),
+                key_positions=torch.arange(span, device=device),
             )
         if self.compiled:  # buckets of 2+ rows share one compile (0/1-sized dims are specialised)
-            for t in (step.index, step.positions, step.embeds):
+            for t in (step.index, step.positions, step.embeds, step.key_positions):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
             self._mark_pool_dynamic()
             step.compiled = self._compiles_within_seal(step)
@@ -179,7 +213,7 @@ class DecodeGraphs:
             self._capture(step)
         elif self.compiled:  # compile now (warm-up), not in the first call's step
             self._timed_compile(step)
-        self._steps[rows] = step
+        self._steps[(rows, span)] = step
         return step
 
     @torch.inference_mode()
@@ -188,7 +222,7 @@ class DecodeGraphs:
         no compile (a probe on the step's pad inputs, which write only the scratch row)."""
         if not self.sealed:
             return True
-        inputs = (step.index, step.positions, step.embeds)
+        inputs = (step.index, step.positions, step.embeds, step.key_positions)
         _, compiled = call_sealed(self._static_step, self._static_logits, *inputs)
         self.uncompiled += not compiled
         return compiled
@@ -225,8 +259,9 @@ class DecodeGraphs:
         step.graph = graph
         self.captures += 1
         logger.info(
-            "captured the decode graph of %d rows (capacity %d; %s, warm-up %.1f s)",
+            "captured the decode graph of %d rows over %d positions (capacity %d; %s, warm-up %.1f s)",
             step.rows,
+            step.span,
             self.pool.capacity,
             "compiled" if step.compiled else "eager kernels",
             warm_s,

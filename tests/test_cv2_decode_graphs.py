@@ -153,3 +153,44 @@ def test_a_step_attends_over_its_rows_span_not_the_capacity_and_stays_exact(llm)
         spans.append(span)
     assert spans[0] == 8 and sorted(set(spans)) == [8, 16, 32, 64]
     assert {key for key in graphs._steps} == {(2, 8), (2, 16), (2, 32), (2, 64)}
+
+
+@pytest.mark.parametrize("prompt_lengths", [[9], [9, 30, 17]], ids=["one", "three"])
+def test_prompt_steps_equal_feeding_each_prompt_eagerly(llm, prompt_lengths):
+    """Prompts (rows already holding a voice's prefix of different lengths) through one padded prompt
+    step: each row's last-position logits and its K/V equal feeding its prompt alone, lengths grow by
+    the real positions, and the decode steps after them stay exact."""
+    backbone, head = llm.llm.model.model, llm.llm_decoder
+    hidden = backbone.config.hidden_size
+    prefixes = [4 + 3 * i for i in range(len(prompt_lengths))]
+    eager_pool, static_pool = SlotKV(backbone, slots=8, capacity=64), SlotKV(backbone, slots=8, capacity=64)
+    graphs = DecodeGraphs(static_pool, head, max_rows=4, span_quantum=16)
+    eager_rows = _prefilled(eager_pool, llm, prefixes, seed=7)
+    static_rows = _prefilled(static_pool, llm, prefixes, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randn(1, n, hidden, generator=gen) for n in prompt_lengths]
+    expected = torch.stack([head(row.feed(p)[0, -1]) for row, p in zip(eager_rows, prompts, strict=True)])
+    got = graphs.prompt_logits(static_rows, prompts)
+    assert got is not None and got.shape == expected.shape
+    assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert [r.length for r in static_rows] == [a + b for a, b in zip(prefixes, prompt_lengths, strict=True)]
+    for e, s in zip(eager_rows, static_rows, strict=True):
+        assert_close(static_pool.k[:, s.index, :, : s.length], eager_pool.k[:, e.index, :, : e.length])
+        assert_close(static_pool.v[:, s.index, :, : s.length], eager_pool.v[:, e.index, :, : e.length])
+    rows = len(prompts)
+    for _ in range(3):  # decoding on: the pad positions past each row's length are never seen
+        embeds = torch.randn(rows, 1, hidden, generator=gen)
+        want = head(eager_pool.forward(eager_rows, embeds)[:, -1])
+        assert_close(graphs.logits(static_rows, embeds), want, atol=1e-5, rtol=1e-5)
+    assert {key[1] for key in graphs._prompts} == {32}  # padded to the first prompt bucket
+    assert graphs.prompt_eager == 0
+
+
+def test_a_prompt_longer_than_every_prompt_step_is_left_to_the_eager_forward(llm):
+    backbone, head = llm.llm.model.model, llm.llm_decoder
+    pool = SlotKV(backbone, slots=4, capacity=512)
+    graphs = DecodeGraphs(pool, head, max_rows=2)
+    row = pool.acquire()
+    long = torch.randn(1, 300, backbone.config.hidden_size)
+    assert graphs.prompt_logits([row], [long]) is None
+    assert graphs.prompt_eager == 1 and row.length == 0  # nothing fed: the caller feeds it

@@ -1,7 +1,8 @@
-"""Prompts of several utterances prefilled in one ragged forward (`SlotKV.forward_ragged`, what
-`decode_batch` does with decode graphs on): every session gets the logits it gets fed alone, its row
-grows by its own prompt length, and the steps after it (batched decode through the static step) give
-the tokens each session decodes alone. Runs on CPU with the static step uncaptured."""
+"""Prompts of several utterances prefilled together (what `decode_batch` does with decode graphs on: one
+padded prompt step, `DecodeGraphs.prompt_logits`, or where none fits one ragged forward,
+`SlotKV.forward_ragged`): every session gets the logits it gets fed alone, its row grows by its own
+prompt length, and the steps after it (batched decode through the static step) give the tokens each
+session decodes alone. Runs on CPU with the static steps uncaptured."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def test_ragged_prefill_equals_each_prompt_fed_alone(llm):
         tokens = [decode_batch(llm, [s])[0]]
         prompt_lengths.append(s.cache.length)
         alone_tokens.append(tokens + [decode_batch(llm, [s])[0] for _ in range(5)])
-    first = decode_batch(llm, together, graphs)  # the three prompts: one ragged forward
+    first = decode_batch(llm, together, graphs)  # the three prompts: one prompt step
+    assert len(graphs._prompts) == 1 and graphs.prompt_eager == 0
     assert [t.cache.length for t in together] == prompt_lengths  # each row grew by its own prompt
     assert len(set(prompt_lengths)) == len(TEXTS)
     rest = [decode_batch(llm, together, graphs) for _ in range(5)]  # batched static steps

@@ -66,6 +66,33 @@ def test_decode_graph_replays_match_the_eager_step(tiny_model_dir, rows, compile
     assert graphs.captures >= 2 and graphs.replays == 80 and graph_pool.capacity == 128
 
 
+def test_prompt_step_replays_match_feeding_each_prompt(tiny_model_dir):
+    """Prompts of three rows (different prefixes and lengths) as one captured prompt step give each
+    row's eager last-position logits, and decoding on from them stays exact."""
+    llm = load_llm(tiny_model_dir, "cuda")
+    backbone, head = llm.llm.model.model, llm.llm_decoder
+    hidden = backbone.config.hidden_size
+    eager_pool, graph_pool = SlotKV(backbone, slots=8, capacity=64), SlotKV(backbone, slots=8, capacity=64)
+    graphs = DecodeGraphs(graph_pool, head, max_rows=4)
+    gen = torch.Generator().manual_seed(3)
+    eager_rows, graph_rows, prompts = [], [], []
+    for n in (4, 7, 10):
+        prefix = torch.randn(1, n, hidden, generator=gen).cuda()
+        eager_rows.append(eager_pool.acquire())
+        graph_rows.append(graph_pool.acquire())
+        eager_rows[-1].feed(prefix)
+        graph_rows[-1].feed(prefix)
+        prompts.append(torch.randn(1, 3 * n, hidden, generator=gen).cuda())
+    expected = torch.stack([head(r.feed(p)[0, -1]) for r, p in zip(eager_rows, prompts, strict=True)])
+    got = graphs.prompt_logits(graph_rows, prompts)
+    assert got is not None and graphs.captures >= 1
+    assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    for _ in range(5):
+        embeds = torch.randn(3, 1, hidden, generator=gen).cuda()
+        want = head(eager_pool.forward(eager_rows, embeds)[:, -1])
+        assert_close(graphs.logits(graph_rows, embeds), want, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize(
     ("dtype", "cuda_graphs", "compile"),
     [

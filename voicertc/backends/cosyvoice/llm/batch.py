@@ -42,9 +42,10 @@ def decode_batch(
     Rows that feed one position on a `SlotKV` row share one batched forward; anything else (a prompt, a
     bistream text segment, a `DynamicCache` session) is fed alone. Each row samples with its own generator,
     so the tokens are those each session would draw alone. With `graphs` the batched rows run its
-    static-shape step (a CUDA graph replay per batch bucket), and the prompts of several `SlotKV` rows
-    share one ragged forward (`SlotKV.forward_ragged`: on a GPU a prompt costs its launches, not its
-    length, so utterances that start together prefill together) and the plain sessions' tokens are drawn
+    static-shape step (a CUDA graph replay per batch bucket), and the prompts of the `SlotKV` rows share
+    one captured prompt step (`DecodeGraphs.prompt_logits`; one ragged eager forward where they fit none:
+    on a GPU a prompt costs its launches, not its length, so utterances that start together prefill
+    together) and the plain sessions' tokens are drawn
     on the device with one host sync for the batch (`sampling.draw_rows`); without graphs (CPU) each
     prompt is fed alone and each row samples on the host, as before (the official token stream).
     """
@@ -67,14 +68,10 @@ def decode_batch(
             fed.append(i)
         except Exception as exc:  # noqa: BLE001 - isolated per session
             results[i] = exc
-    if len(prompts) == 1:
-        i, cache, embeds = prompts[0]
-        sessions[i].logits = llm.feed(cache, embeds)
-        fed.append(i)
-    elif prompts:
+    if prompts:
+        assert graphs is not None
         try:
-            hidden = prompts[0][1].pool.forward_ragged([p[1] for p in prompts], [p[2] for p in prompts])
-            logits = llm.llm_decoder(hidden)
+            logits = _prompt_logits(llm, graphs, prompts)
             for row, (i, _, _) in enumerate(prompts):
                 sessions[i].logits = logits[row]
                 fed.append(i)
@@ -104,6 +101,18 @@ def decode_batch(
         except Exception as exc:  # noqa: BLE001 - isolated per session
             results[i] = exc
     return results
+
+
+def _prompt_logits(llm: Qwen2LM, graphs: DecodeGraphs, prompts: list[tuple[int, KVSlot, Tensor]]) -> Tensor:
+    """Logits [B, V] of the prompts' last positions: one captured prompt step (`DecodeGraphs.prompt_logits`)
+    where they fit one, else one eager forward (`SlotKV.forward_ragged`)."""
+    rows, embeds = [p[1] for p in prompts], [p[2] for p in prompts]
+    logits = graphs.prompt_logits(rows, embeds)
+    if logits is not None:
+        return logits
+    if len(prompts) == 1:
+        return llm.feed(rows[0], embeds[0])[None]
+    return llm.llm_decoder(rows[0].pool.forward_ragged(rows, embeds))
 
 
 def _draw_on_device(

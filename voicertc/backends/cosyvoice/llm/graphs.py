@@ -58,6 +58,8 @@ def bucket_for(rows: int, buckets: tuple[int, ...]) -> int | None:
 
 
 SPAN_QUANTUM = 256  # the shortest key span a step attends over (positions)
+PROMPT_TOKENS = (32, 64, 128, 256)  # a prompt step's padded positions; longer prompts are fed eagerly
+WARM_PROMPT_ROWS = 8  # prompt steps of up to this many rows and 128 positions are captured at warm-up
 
 
 def span_for(positions: int, quantum: int, capacity: int) -> int:
@@ -87,6 +89,7 @@ class StaticStep:
     positions: Tensor  # [rows, 1] the position each row writes
     embeds: Tensor  # [rows, 1, H]
     key_positions: Tensor  # [span]: the span as a tensor's length (a symbol of the compiled step)
+    last: Tensor | None = None  # a prompt step's: [rows] each row's last real position in `embeds`
     logits: Tensor | None = None  # [rows, V] (written by the step)
     graph: torch.cuda.CUDAGraph | None = None
     compiled: bool = False  # runs the compiled step (else the uncompiled one)
@@ -114,6 +117,8 @@ class DecodeGraphs:
         self.scratch = pool.acquire()  # the pad rows' row: owned by no utterance
         self.hidden_size = int(pool.backbone.config.hidden_size)
         self._steps: dict[tuple[int, int], StaticStep] = {}  # by (rows, span)
+        self._prompts: dict[tuple[int, int, int], StaticStep] = {}  # by (rows, positions, span)
+        self.prompt_eager = 0  # prompts longer than every prompt step, fed eagerly
         self._generation = pool.generation
         self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
         self.captures = 0
@@ -127,13 +132,19 @@ class DecodeGraphs:
 
     def close(self) -> None:
         self._steps.clear()
+        self._prompts.clear()
         self.scratch.release()
 
     def warm(self) -> None:
         """Capture every (rows, span) bucket now (at start-up, not during the first calls)."""
+        spans = spans_up_to(self.span_quantum, self.pool.capacity)
         for rows in self.buckets:
-            for span in spans_up_to(self.span_quantum, self.pool.capacity):
+            for span in spans:
                 self._step(rows, span)
+        for rows in (b for b in self.buckets if b <= WARM_PROMPT_ROWS):
+            for tokens in (t for t in PROMPT_TOKENS if t <= 128):
+                for span in (s for s in spans if s >= tokens):
+                    self._prompt_step(rows, tokens, span)
 
     def seal(self) -> None:
         """Warm-up is over: a step made from now on (a grown pool's) never compiles again."""
@@ -151,13 +162,7 @@ class DecodeGraphs:
         bucket = bucket_for(len(rows), self.buckets)
         if bucket is None:
             return self.head(self.pool.forward(rows, embeds)[:, -1])
-        self.pool.ensure_capacity(max(r.length for r in rows) + 1)
-        if self.pool.generation != self._generation:  # K/V reallocated: captured addresses are stale
-            logger.info("LLM slot cache reallocated: decode graphs are captured again")
-            self._steps.clear()
-            self._generation = self.pool.generation
-            if self.capture:  # the old graphs' private memory pool dies with them: a new one
-                self._mempool = torch.cuda.graph_pool_handle()
+        self._room(max(r.length for r in rows) + 1)
         span = span_for(max(r.length for r in rows) + 1, self.span_quantum, self.pool.capacity)
         step = self._step(bucket, span)
         pad = bucket - len(rows)
@@ -173,9 +178,65 @@ class DecodeGraphs:
         assert step.logits is not None
         return step.logits[: len(rows)].clone()
 
+    @torch.inference_mode()
+    def prompt_logits(self, rows: list[KVSlot], embeds: list[Tensor]) -> Tensor | None:
+        """Logits [B, V] of each row's last prompt position, the prompts `embeds` ([1, T_b, H] each) fed
+        as one replay of a (rows, positions, span) prompt step: right-padded to a `PROMPT_TOKENS` bucket
+        (the pad positions' K/V lie past each row's length, where attention is causal: never seen,
+        overwritten by the next step; `SlotKV.forward_ragged` relies on the same) and rows to a batch
+        bucket. Each row's length grows by its own T_b. None: a prompt longer than every bucket or more
+        rows than the largest (the caller feeds it eagerly; counted in `prompt_eager`)."""
+        longest = max(e.shape[1] for e in embeds)
+        tokens = next((t for t in PROMPT_TOKENS if t >= longest), None)
+        bucket = bucket_for(len(rows), self.buckets)
+        if tokens is None or bucket is None:
+            self.prompt_eager += 1
+            return None
+        if any(r.released or r.pool is not self.pool for r in rows):
+            raise ValueError("a released or foreign KV slot")
+        needed = max(r.length for r in rows) + tokens
+        self._room(needed)
+        step = self._prompt_step(bucket, tokens, span_for(needed, self.span_quantum, self.pool.capacity))
+        assert step.last is not None
+        pad = bucket - len(rows)
+        starts = torch.tensor([r.length for r in rows] + [0] * pad)
+        step.index.copy_(
+            torch.tensor([r.index for r in rows] + [self.scratch.index] * pad), non_blocking=True
+        )
+        step.positions.copy_(starts[:, None] + torch.arange(tokens)[None, :], non_blocking=True)
+        step.last.copy_(torch.tensor([e.shape[1] - 1 for e in embeds] + [0] * pad), non_blocking=True)
+        step.embeds.zero_()
+        for b, e in enumerate(embeds):
+            step.embeds[b, : e.shape[1]].copy_(e[0])
+        self._replay(step)
+        for r, e in zip(rows, embeds, strict=True):
+            r.length += e.shape[1]
+        assert step.logits is not None
+        return step.logits[: len(rows)].clone()
+
+    def _room(self, positions: int) -> None:
+        """Room for `positions` positions a row; a pool that reallocated its K/V drops every graph."""
+        self.pool.ensure_capacity(positions)
+        if self.pool.generation != self._generation:  # K/V reallocated: captured addresses are stale
+            logger.info("LLM slot cache reallocated: decode graphs are captured again")
+            self._steps.clear()
+            self._prompts.clear()
+            self._generation = self.pool.generation
+            if self.capture:  # the old graphs' private memory pool dies with them: a new one
+                self._mempool = torch.cuda.graph_pool_handle()
+
     def _forward(self, step: StaticStep) -> Tensor:
+        if step.last is not None:
+            return self._static_prompt(step.index, step.positions, step.embeds, step.key_positions, step.last)
         fn = self._static_step if step.compiled else self._static_logits
         return fn(step.index, step.positions, step.embeds, step.key_positions)
+
+    def _static_prompt(
+        self, index: Tensor, positions: Tensor, embeds: Tensor, key_positions: Tensor, last: Tensor
+    ) -> Tensor:
+        hidden = self.pool.run(index, positions, embeds, key_positions.shape[0])  # [B, T, H]
+        picked = hidden.gather(1, last[:, None, None].expand(-1, 1, hidden.shape[2]))
+        return self.head(picked[:, 0])
 
     def _static_logits(
         self, index: Tensor, positions: Tensor, embeds: Tensor, key_positions: Tensor
@@ -214,6 +275,28 @@ class DecodeGraphs:
         elif self.compiled:  # compile now (warm-up), not in the first call's step
             self._timed_compile(step)
         self._steps[(rows, span)] = step
+        return step
+
+    def _prompt_step(self, rows: int, tokens: int, span: int) -> StaticStep:
+        """The (rows, positions, span) prompt step, made (and captured on CUDA) on first use; never
+        compiled (a prompt is once per segment, its positions would be one more symbol)."""
+        step = self._prompts.get((rows, tokens, span))
+        if step is not None:
+            return step
+        device, dtype = self.pool.device, self.pool.dtype
+        with torch.inference_mode(False):
+            step = StaticStep(
+                rows=rows,
+                span=span,
+                index=torch.full((rows,), self.scratch.index, dtype=torch.long, device=device),
+                positions=torch.arange(tokens, device=device).expand(rows, tokens).contiguous(),
+                embeds=torch.zeros((rows, tokens, self.hidden_size), dtype=dtype, device=device),
+                key_positions=torch.arange(span, device=device),
+                last=torch.zeros((rows,), dtype=torch.long, device=device),
+            )
+        if self.capture:
+            self._capture(step)
+        self._prompts[(rows, tokens, span)] = step
         return step
 
     @torch.inference_mode()
@@ -259,7 +342,8 @@ class DecodeGraphs:
         step.graph = graph
         self.captures += 1
         logger.info(
-            "captured the decode graph of %d rows over %d positions (capacity %d; %s, warm-up %.1f s)",
+            "captured the %s graph of %d rows over %d positions (capacity %d; %s, warm-up %.1f s)",
+            "decode" if step.last is None else f"{step.embeds.shape[1]}-position prompt",
             step.rows,
             step.span,
             self.pool.capacity,

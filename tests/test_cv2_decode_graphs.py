@@ -194,3 +194,14 @@ def test_a_prompt_longer_than_every_prompt_step_is_left_to_the_eager_forward(llm
     long = torch.randn(1, 300, backbone.config.hidden_size)
     assert graphs.prompt_logits([row], [long]) is None
     assert graphs.prompt_eager == 1 and row.length == 0  # nothing fed: the caller feeds it
+
+
+def test_warm_up_makes_every_decode_bucket_and_the_common_prompt_buckets(llm):
+    backbone, head = llm.llm.model.model, llm.llm_decoder
+    graphs = DecodeGraphs(SlotKV(backbone, slots=4, capacity=512), head, max_rows=16)
+    graphs.warm()
+    rows = {1, 2, 4, 8, 16}
+    assert set(graphs._steps) == {(r, s) for r in rows for s in (256, 512)}
+    short = {(r, t, s) for r in rows for t in (32, 64) for s in (256, 512)}
+    long = {(r, 128, s) for r in rows if r <= 8 for s in (256, 512)}
+    assert set(graphs._prompts) == short | long

@@ -59,7 +59,9 @@ def bucket_for(rows: int, buckets: tuple[int, ...]) -> int | None:
 
 SPAN_QUANTUM = 256  # the shortest key span a step attends over (positions)
 PROMPT_TOKENS = (32, 64, 128, 256)  # a prompt step's padded positions; longer prompts are fed eagerly
-WARM_PROMPT_ROWS = 8  # prompt steps of up to this many rows and 128 positions are captured at warm-up
+# captured at warm-up: prompt steps of every row bucket up to 64 positions (a voice's cached prefix
+# leaves an utterance's own text, tens of positions), and up to 8 rows of 128 (an uncached prompt)
+WARM_PROMPT_TOKENS, WARM_LONG_PROMPT_ROWS = 64, 8
 
 
 def span_for(positions: int, quantum: int, capacity: int) -> int:
@@ -141,8 +143,9 @@ class DecodeGraphs:
         for rows in self.buckets:
             for span in spans:
                 self._step(rows, span)
-        for rows in (b for b in self.buckets if b <= WARM_PROMPT_ROWS):
-            for tokens in (t for t in PROMPT_TOKENS if t <= 128):
+        for rows in self.buckets:
+            longest = 128 if rows <= WARM_LONG_PROMPT_ROWS else WARM_PROMPT_TOKENS
+            for tokens in (t for t in PROMPT_TOKENS if t <= longest):
                 for span in (s for s in spans if s >= tokens):
                     self._prompt_step(rows, tokens, span)
 

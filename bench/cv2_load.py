@@ -106,6 +106,7 @@ def run_level(engine: EngineWorker, voice: str, concurrency: int, timeout_s: flo
     stop = threading.Event()
     player = threading.Thread(target=play, args=(streams, stop), daemon=True)
     player.start()
+    mallocs = _device_mallocs()
     started = time.monotonic()
     for stream in streams:
         engine.say(voice, RingSink(stream.ring), stream.on_event, TEXT)
@@ -127,7 +128,17 @@ def run_level(engine: EngineWorker, voice: str, concurrency: int, timeout_s: flo
         "ttfa_ms": summary(ttfa) if ttfa else None,
         "rtf": summary(rtf) if rtf else None,
         "underrun_frames": underruns,
+        # device memory segments the allocator had to get from the driver during the level (cudaMalloc
+        # synchronises the device: a level's first units pay for the contexts no earlier level grew to)
+        "device_mallocs": None if mallocs is None else (_device_mallocs() or 0) - mallocs,
     }
+
+
+def _device_mallocs() -> int | None:
+    """cudaMalloc calls of torch's caching allocator so far (None without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.memory_stats().get("segment.all.allocated", 0))
 
 
 def _row(result: dict) -> dict[str, object]:
@@ -143,6 +154,7 @@ def _row(result: dict) -> dict[str, object]:
         "utterances with underruns": sum(1 for u in underruns if u),
         "failed": len(result["failed"]),
         "wall s": result["wall_s"],
+        "device mallocs": "" if result["device_mallocs"] is None else result["device_mallocs"],
     }
 
 

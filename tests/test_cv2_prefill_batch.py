@@ -38,7 +38,7 @@ def test_ragged_prefill_equals_each_prompt_fed_alone(llm):
         prompt_lengths.append(s.cache.length)
         alone_tokens.append(tokens + [decode_batch(llm, [s])[0] for _ in range(5)])
     first = decode_batch(llm, together, graphs)  # the three prompts: one prompt step
-    assert len(graphs._prompts) == 1 and graphs.prompt_eager == 0
+    assert len(graphs._prompts) == 1 and graphs.prompt_eager == 0 and graphs.prompt_replays == 1
     assert [t.cache.length for t in together] == prompt_lengths  # each row grew by its own prompt
     assert len(set(prompt_lengths)) == len(TEXTS)
     rest = [decode_batch(llm, together, graphs) for _ in range(5)]  # batched static steps

@@ -123,8 +123,10 @@ class DecodeGraphs:
         self.prompt_eager = 0  # prompts longer than every prompt step, fed eagerly
         self._generation = pool.generation
         self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
-        self.captures = 0
+        self.captures = 0  # decode steps' (prompt steps': `prompt_captures`)
         self.replays = 0
+        self.prompt_captures = 0
+        self.prompt_replays = 0
         self.uncompiled = 0  # steps made after warm-up that run uncompiled (compiling again refused)
         self.compiled = compile
         self.sealed = False
@@ -248,7 +250,10 @@ class DecodeGraphs:
         return self.head(hidden[:, -1])
 
     def _replay(self, step: StaticStep) -> None:
-        self.replays += 1
+        if step.last is None:
+            self.replays += 1
+        else:
+            self.prompt_replays += 1
         if step.graph is not None:
             step.graph.replay()
         else:
@@ -343,7 +348,10 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode=CAPTURE_ERROR_MODE):
             step.logits = self._forward(step)
         step.graph = graph
-        self.captures += 1
+        if step.last is None:
+            self.captures += 1
+        else:
+            self.prompt_captures += 1
         logger.info(
             "captured the %s graph of %d rows over %d positions (capacity %d; %s, warm-up %.1f s)",
             "decode" if step.last is None else f"{step.embeds.shape[1]}-position prompt",

@@ -411,12 +411,16 @@ class CosyVoice2Backend:
             self._wake()  # an utterance waiting for admission may start now
 
     def captured_counts(self) -> dict[str, dict[str, int]]:
-        """The captured stages' counts (/metrics): decode graphs, flow and vocoder steps."""
+        """The captured stages' counts (/metrics): decode and prompt graphs, flow and vocoder steps."""
         counts = {}
         if self.graphs is not None:
             g = self.graphs
             counts["decode"] = {
                 "replays": g.replays, "eager": 0, "captures": g.captures, "uncompiled": g.uncompiled
+            }  # fmt: skip
+            counts["prompt"] = {
+                "replays": g.prompt_replays, "eager": g.prompt_eager, "captures": g.prompt_captures,
+                "uncompiled": 0,
             }  # fmt: skip
         if self.captured is not None:
             for name, st in self.captured.stats().items():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from flow_stream_helpers import GRID, LOOKAHEAD, golden_flow_voice
 
-from voicertc.backends.cosyvoice.flow.encoder import rows_line_up
+from voicertc.backends.cosyvoice.flow.encoder import rows_line_up, stacked_prefix
 from voicertc.backends.cosyvoice.flow.flow import CausalFlow
 
 ROWS = 3
@@ -93,3 +93,22 @@ def test_utterances_at_different_positions_encode_one_by_one(monkeypatch, flow, 
     assert (mels[0] - want_a).abs().max().item() <= 1e-5
     with pytest.raises(ValueError, match="different positions"):
         flow.encoder.forward_rows(torch.zeros(2, 4, 1), None, [a.encoder, b.encoder], True)
+
+
+def test_utterances_forked_from_one_voice_share_its_prefix_without_a_copy(flow, tts_golden):
+    """Each utterance forks the voice's cache itself (its own view of the same frames); the batched
+    attention reads that one prefix expanded over the rows instead of concatenating a copy per row."""
+    voice = golden_flow_voice(flow, tts_golden)
+    pad = -tts_golden["in_prompt_token"].shape[1] % GRID
+    flow.stream_step(tts_golden["in_token"][:, : pad + 25 + LOOKAHEAD], voice, finalize=False)
+    states = [voice.clone() for _ in range(ROWS)]
+    layers = [s.encoder.layers[0] for s in states]
+    assert layers[0].prefix_keys is not layers[1].prefix_keys  # separate views
+    stacked = stacked_prefix(layers)
+    assert stacked is not None and stacked[0].shape[0] == ROWS
+    assert stacked[0].stride(0) == 0 and stacked[0].data_ptr() == layers[0].prefix_keys.data_ptr()  # no copy
+    other = golden_flow_voice(flow, tts_golden)
+    flow.stream_step(tts_golden["in_token"][:, : pad + 25 + LOOKAHEAD], other, finalize=False)
+    mixed = stacked_prefix([layers[0], other.clone().encoder.layers[0]])  # two voices: stacked copies
+    assert mixed is not None and mixed[0].stride(0) != 0
+    assert torch.equal(mixed[0][1:], other.encoder.layers[0].keys[:, :, : other.encoder.layers[0].length])

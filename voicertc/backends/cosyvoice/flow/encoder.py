@@ -359,14 +359,25 @@ def rows_line_up(caches: list[EncoderCache]) -> bool:
 
 def stacked_prefix(caches: list[KVCache]) -> tuple[Tensor, Tensor] | None:
     """The rows' read-only prefixes as one [B, H, P, Dh] pair (a shared voice prefix is expanded, not
-    copied); None when the rows have none."""
+    copied); None when the rows have none. Each utterance forks its voice's cache on its own
+    (`KVCache.fork`), so the rows' prefixes are different views of the same frames: the same memory,
+    shape and strides is the same prefix (a forked prefix is never written)."""
     prefixes = [c.prefix() for c in caches]
     first = prefixes[0]
     if first is None:
         return None
-    if all(p is not None and p[0] is first[0] and p[1] is first[1] for p in prefixes):
+    if all(p is not None and _same_view(p[0], first[0]) and _same_view(p[1], first[1]) for p in prefixes):
         rows = len(caches)
         return first[0].expand(rows, -1, -1, -1), first[1].expand(rows, -1, -1, -1)
     if any(p is None for p in prefixes):
         raise ValueError("stacked_prefix: some rows have a prefix and some do not")
     return torch.cat([p[0] for p in prefixes if p]), torch.cat([p[1] for p in prefixes if p])
+
+
+def _same_view(a: Tensor, b: Tensor) -> bool:
+    return a is b or (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.device == b.device
+    )

@@ -186,7 +186,7 @@ def test_prompt_steps_equal_feeding_each_prompt_eagerly(llm, prompt_lengths):
     assert graphs.prompt_eager == 0
 
 
-def test_a_prompt_longer_than_every_prompt_step_is_left_to_the_eager_forward(llm):
+def test_a_prompt_past_every_prompt_step_or_the_pool_is_left_to_the_eager_forward(llm):
     backbone, head = llm.llm.model.model, llm.llm_decoder
     pool = SlotKV(backbone, slots=4, capacity=512)
     graphs = DecodeGraphs(pool, head, max_rows=2)
@@ -194,6 +194,10 @@ def test_a_prompt_longer_than_every_prompt_step_is_left_to_the_eager_forward(llm
     long = torch.randn(1, 300, backbone.config.hidden_size)
     assert graphs.prompt_logits([row], [long]) is None
     assert graphs.prompt_eager == 1 and row.length == 0  # nothing fed: the caller feeds it
+    row.feed(torch.randn(1, 490, backbone.config.hidden_size))  # 22 positions left in the pool
+    short = torch.randn(1, 20, backbone.config.hidden_size)  # fits, but its padding (to 32) would not
+    assert graphs.prompt_logits([row], [short]) is None
+    assert graphs.prompt_eager == 2 and pool.capacity == 512 and row.length == 490
 
 
 def test_warm_up_makes_every_decode_bucket_and_the_common_prompt_buckets(llm):

@@ -189,8 +189,9 @@ class DecodeGraphs:
         as one replay of a (rows, positions, span) prompt step: right-padded to a `PROMPT_TOKENS` bucket
         (the pad positions' K/V lie past each row's length, where attention is causal: never seen,
         overwritten by the next step; `SlotKV.forward_ragged` relies on the same) and rows to a batch
-        bucket. Each row's length grows by its own T_b. None: a prompt longer than every bucket or more
-        rows than the largest (the caller feeds it eagerly; counted in `prompt_eager`)."""
+        bucket. Each row's length grows by its own T_b. None: a prompt longer than every bucket, more
+        rows than the largest, or padding past the pool's capacity (the caller feeds it eagerly, growing
+        the pool if it must; counted in `prompt_eager`)."""
         longest = max(e.shape[1] for e in embeds)
         tokens = next((t for t in PROMPT_TOKENS if t >= longest), None)
         bucket = bucket_for(len(rows), self.buckets)
@@ -200,6 +201,9 @@ class DecodeGraphs:
         if any(r.released or r.pool is not self.pool for r in rows):
             raise ValueError("a released or foreign KV slot")
         needed = max(r.length for r in rows) + tokens
+        if needed > self.pool.capacity:  # the padding alone must not grow the pool (every graph again)
+            self.prompt_eager += 1
+            return None
         self._room(needed)
         step = self._prompt_step(bucket, tokens, span_for(needed, self.span_quantum, self.pool.capacity))
         assert step.last is not None

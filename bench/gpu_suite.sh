@@ -17,7 +17,8 @@
 # last and only when named in STEPS): pytest_gpu_compiled (the GPU tests of compiled steps; pytest_gpu
 # leaves them out), step_kernels (`bench.step_kernels`: kernels per static step, eager vs compiled),
 # decode_compiled (`bench.cv2_llm_batch --graphs`, eager kernels
-# then compiled, rows 1 16 32), cv2_stream_compiled, cv2_load_compiled (LEVELS_SMALL).
+# then compiled, rows 1 16 32), cv2_stream_compiled, cv2_load_compiled (LEVELS_SMALL), cv2_load_expandable
+# (cv2_load with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True).
 # cv2_load writes its JSON only at its end, so its levels are split in two steps and the large ones go
 # last: a timeout there loses only them. A step that would start past the deadline is skipped; a step
 # that fails does not stop the next one.
@@ -263,6 +264,10 @@ if [ -n "${STEPS:-}" ]; then  # compiling takes minutes: only when asked for by 
     step cv2_stream_compiled "$T_COMPILED" "$PYTHON" -m bench.cv2_stream --model-dir "$MODEL_DIR" "${STREAM[@]}" --compile
     step cv2_load_compiled "$T_COMPILED" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD[@]}" \
         --concurrency "${LEVELS_SMALL[@]}" --compile
+    # the same load with torch's allocator growing expandable segments instead of a cudaMalloc (each a
+    # device-wide sync) per new block: compare its `device mallocs` and first-unit TTFA with cv2_load's
+    step cv2_load_expandable "$T_LOAD" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$PYTHON" \
+        -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD[@]}" --concurrency "${LEVELS_SMALL[@]}"
 fi
 
 finish

@@ -34,7 +34,7 @@ SERVER_TESTS := tests/test_config.py \
 	tests/test_api_bad_input.py tests/test_call_info_schema.py tests/test_speak_options.py \
 	tests/test_batch_metrics.py tests/test_step_metrics.py tests/test_stream_sink.py tests/test_readyz.py \
 	tests/test_remote_config.py tests/test_engine_commands.py tests/test_embed_voices.py \
-	tests/test_listen_config.py tests/test_engine_command_parts.py
+	tests/test_listen_config.py
 # The idle-priority session's longest modules (20-35 s each on this VM), handed out first so that no
 # worker ends the phase alone with one of them.
 NICED_FIRST := tests/test_voice_api.py tests/test_cv2_flow_incremental.py tests/test_cv2_engine.py \
@@ -48,6 +48,8 @@ LATENCY_TESTS := tests/test_ray_restart.py tests/test_api.py tests/test_call.py 
 	tests/test_cv2_loopback.py $(wildcard tests/test_browser*.py) tests/test_listen_browser.py \
 	tests/test_listen_loopback.py tests/test_listen_bargein.py tests/test_listen_heard_text.py \
 	tests/test_listen_inbound.py
+# Everything else runs in the real-time phase at normal priority, e.g. tests/test_engine_command_parts.py:
+# command slices are wall-clock time, and at idle priority beside that phase quick parts shared fewer.
 SERIAL_TESTS := $(filter-out $(PARALLEL_TESTS) $(SERVER_TESTS) $(LATENCY_TESTS),$(wildcard tests/test_*.py))
 PYTEST = HF_HUB_OFFLINE=1 $(OFFLINE) $(BIN)/python -m pytest -q
 IDLE := $(shell chrt --idle 0 true >/dev/null 2>&1 && echo chrt --idle 0)

@@ -190,6 +190,26 @@ def test_static_shape_flow_and_vocoder_steps_speak_as_eager(model, golden_dir):
         assert _rms(a - b) < 3e-3 * _rms(a)
 
 
+def test_decoding_ahead_speaks_what_step_by_step_decoding_speaks(model, golden_dir):
+    """The decode graphs' path (`static_decode`: uncaptured on CPU): three utterances at once, each step
+    launched before the one before is read (`llm.ahead`) or read at once: the same tokens, so the same
+    audio, sample for sample."""
+    jobs = [("a", GOLDEN_VOICE, LONG_TEXT), ("b", GOLDEN_VOICE, LONG_TEXT), ("c", SFT_VOICE, LONG_TEXT)]
+    ahead = make_backend(model, golden_dir, max_segment_tokens=60, static_decode=True, graph_rows=4)
+    stepped = make_backend(
+        model, golden_dir, max_segment_tokens=60, static_decode=True, graph_rows=4, decode_ahead=False
+    )
+    assert ahead.graphs is not None and ahead.graphs.capture is False
+    _, sinks_ahead = _run(ahead, jobs)
+    _, sinks_stepped = _run(stepped, jobs)
+    assert ahead.stats["decode_ahead"] >= 10 and stepped.stats["decode_ahead"] == 0
+    for uid, _, _ in jobs:
+        a, b = sinks_ahead[uid].samples(uid), sinks_stepped[uid].samples(uid)
+        assert a.size == b.size == 60 * TOKEN_SAMPLES
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(sinks_ahead["a"].samples("a"), sinks_ahead["b"].samples("b"))
+
+
 def test_first_audio_arrives_before_the_text_stream_ends(model, golden_dir):
     backend = make_backend(model, golden_dir, max_segment_tokens=120)
     engine = EngineWorker(backend, default_voice=SFT_VOICE)

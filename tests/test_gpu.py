@@ -15,8 +15,11 @@ from safetensors.torch import load_file
 from torch.testing import assert_close
 
 from voicertc.assemble import create_engine
+from voicertc.backends.cosyvoice.llm.ahead import can_launch, launch, read
+from voicertc.backends.cosyvoice.llm.batch import decode_batch
 from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs
 from voicertc.backends.cosyvoice.llm.kv import SlotKV
+from voicertc.backends.cosyvoice.llm.qwen2lm import LlmSession
 from voicertc.backends.cosyvoice.load import load_v2 as load
 from voicertc.backends.cosyvoice.load.v2 import load_llm
 from voicertc.backends.cosyvoice.serve.streams import token2wav_stream
@@ -64,6 +67,40 @@ def test_decode_graph_replays_match_the_eager_step(tiny_model_dir, rows, compile
         expected = head(eager_pool.forward(eager_rows, embeds)[:, -1])
         assert_close(graphs.logits(graph_rows, embeds), expected, atol=1e-4, rtol=1e-4)
     assert graphs.captures >= 2 and graphs.replays == 80 and graph_pool.capacity == 128
+
+
+def test_decoding_ahead_on_cuda_draws_the_step_by_step_tokens(tiny_model_dir):
+    """Captured steps launched before the one before is read (events, pinned copies, the token in
+    flight in RAS's window on the device) draw what reading every step at once draws."""
+    llm = load_llm(tiny_model_dir, "cuda")
+    texts = [[5, 9, 2, 4], [7, 1, 3, 8, 4, 6], [3, 3, 1]]
+
+    def sessions(pool: SlotKV) -> list[LlmSession]:
+        return [
+            llm.prefill(t, generator=torch.Generator("cuda").manual_seed(i), kv=pool.acquire())
+            for i, t in enumerate(texts)
+        ]
+
+    def graphs() -> tuple[SlotKV, DecodeGraphs]:
+        pool = SlotKV(llm.llm.model.model, slots=8, capacity=256)
+        return pool, DecodeGraphs(pool, llm.llm_decoder, max_rows=4)
+
+    pool, stepped_graphs = graphs()
+    stepped = sessions(pool)
+    while not all(s.finished for s in stepped):
+        decode_batch(llm, list(stepped), stepped_graphs)
+    pool, ahead_graphs = graphs()
+    ahead, before = sessions(pool), None
+    while True:
+        runnable = [s for s in ahead if can_launch(s, ahead_graphs)]
+        now = launch(llm, ahead_graphs, runnable, before) if runnable else None
+        if before is not None:
+            read(llm, before)
+        if now is None:
+            break
+        before = now
+    assert [s.out_tokens for s in ahead] == [s.out_tokens for s in stepped]
+    assert ahead_graphs.replays > 0 and all(len(s.out_tokens) > 0 for s in ahead)
 
 
 def test_prompt_step_replays_match_feeding_each_prompt(tiny_model_dir):

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from voicertc.backends.cosyvoice.llm.ahead import can_launch, launch, read
 from voicertc.backends.cosyvoice.llm.bistream import BistreamSession
 from voicertc.backends.cosyvoice.llm.kv import KVSlot
 from voicertc.backends.cosyvoice.llm.qwen2lm import LlmSession, Qwen2LM
-from voicertc.backends.cosyvoice.llm.sampling import draw_rows
 
 if TYPE_CHECKING:
     from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs
@@ -41,19 +41,34 @@ def decode_batch(
 
     Rows that feed one position on a `SlotKV` row share one batched forward; anything else (a prompt, a
     bistream text segment, a `DynamicCache` session) is fed alone. Each row samples with its own generator,
-    so the tokens are those each session would draw alone. With `graphs` the batched rows run its
-    static-shape step (a CUDA graph replay per batch bucket), and the prompts of the `SlotKV` rows share
-    one captured prompt step (`DecodeGraphs.prompt_logits`; one ragged eager forward where they fit none:
-    on a GPU a prompt costs its launches, not its length, so utterances that start together prefill
-    together) and the plain sessions' tokens are drawn
-    on the device with one host sync for the batch (`sampling.draw_rows`); without graphs (CPU) each
-    prompt is fed alone and each row samples on the host, as before (the official token stream).
+    so the tokens are those each session would draw alone. With `graphs` the plain sessions on its pool
+    take one launched step (`llm.ahead`: the batched rows replay its static-shape step, a CUDA graph per
+    bucket; the prompts share one captured prompt step, `DecodeGraphs.prompt_logits`, or one ragged
+    eager forward where they fit none: on a GPU a prompt costs its launches, not its length; every token
+    drawn on the device, RAS included, `sampling.draw_rows`) read back at once: the step by step form of
+    what the engine runs ahead (`CosyVoice2Backend` launches the next step before reading this one).
+    Without graphs (CPU) each prompt is fed alone and each row samples on the host (the official token
+    stream).
     """
     results: list[DecodeResult] = [None] * len(sessions)
+    ahead = [] if graphs is None else [i for i, s in enumerate(sessions) if _launches(s, graphs)]
+    if ahead:
+        assert graphs is not None
+        plain = [s for i in ahead if isinstance(s := sessions[i], LlmSession)]
+        try:
+            step = launch(llm, graphs, plain)
+            tokens = dict(zip(map(id, step.sessions), read(llm, step), strict=True))
+            for i in ahead:
+                results[i] = tokens[id(sessions[i])]
+        except Exception as exc:  # noqa: BLE001 - the rows of this step fail together
+            for i in ahead:
+                results[i] = exc
     fed: list[int] = []
     batch: list[tuple[int, KVSlot, Tensor]] = []
     prompts: list[tuple[int, KVSlot, Tensor]] = []
     for i, session in enumerate(sessions):
+        if i in ahead:
+            continue
         try:
             embeds = _prepare(session)
             if embeds is None:
@@ -88,19 +103,18 @@ def decode_batch(
         for row, (i, _, _) in enumerate(batch):
             sessions[i].logits = logits[row]
             fed.append(i)
-    drawn = _draw_on_device(llm, sessions, fed) if graphs is not None else {}
     for i in sorted(fed):
         session = sessions[i]
         try:
-            if isinstance(session, BistreamSession):
-                results[i] = session.accept()
-            elif i in drawn:
-                results[i] = llm.accept_drawn(session, drawn[i])
-            else:
-                results[i] = llm.accept(session)
+            results[i] = session.accept() if isinstance(session, BistreamSession) else llm.accept(session)
         except Exception as exc:  # noqa: BLE001 - isolated per session
             results[i] = exc
     return results
+
+
+def _launches(session: LlmSession | BistreamSession, graphs: DecodeGraphs) -> bool:
+    """A plain session on the graphs' pool with nothing in flight: its step goes through `llm.ahead`."""
+    return isinstance(session, LlmSession) and session.unread == 0 and can_launch(session, graphs)
 
 
 def _prompt_logits(llm: Qwen2LM, graphs: DecodeGraphs, prompts: list[tuple[int, KVSlot, Tensor]]) -> Tensor:
@@ -113,25 +127,3 @@ def _prompt_logits(llm: Qwen2LM, graphs: DecodeGraphs, prompts: list[tuple[int, 
     if len(prompts) == 1:
         return llm.feed(rows[0], embeds[0])[None]
     return llm.llm_decoder(rows[0].pool.forward_ragged(rows, embeds))
-
-
-def _draw_on_device(
-    llm: Qwen2LM, sessions: list[LlmSession | BistreamSession], fed: list[int]
-) -> dict[int, int]:
-    """The plain sessions' tokens drawn together on the device, read back with one sync (instead of a
-    few per row: on a GPU each sync waits for the whole queue)."""
-    rows = [i for i in sorted(fed) if isinstance(sessions[i], LlmSession)]
-    plain = [s for i in rows if isinstance(s := sessions[i], LlmSession)]
-    if not plain:
-        return {}
-    logits = torch.stack([s.logits for s in plain if s.logits is not None])
-    if logits.shape[0] != len(plain):
-        return {}
-    tokens = draw_rows(
-        logits,
-        [s.sampling for s in plain],
-        [llm.ban_ids(s) for s in plain],
-        llm.sampling_params,
-        [s.generator for s in plain],
-    )
-    return dict(zip(rows, tokens.tolist(), strict=True))

@@ -173,8 +173,8 @@ class DecodeGraphs:
         pad = bucket - len(rows)
         index = [r.index for r in rows] + [self.scratch.index] * pad
         positions = [r.length for r in rows] + [0] * pad
-        step.index.copy_(torch.tensor(index), non_blocking=True)
-        step.positions.copy_(torch.tensor(positions)[:, None], non_blocking=True)
+        step.index.copy_(self._staged(index), non_blocking=True)
+        step.positions.copy_(self._staged(positions)[:, None], non_blocking=True)
         step.embeds[: len(rows)].copy_(embeds)
         step.embeds[len(rows) :].zero_()
         self._replay(step)
@@ -208,12 +208,14 @@ class DecodeGraphs:
         step = self._prompt_step(bucket, tokens, span_for(needed, self.span_quantum, self.pool.capacity))
         assert step.last is not None
         pad = bucket - len(rows)
-        starts = torch.tensor([r.length for r in rows] + [0] * pad)
+        starts = [r.length for r in rows] + [0] * pad
         step.index.copy_(
-            torch.tensor([r.index for r in rows] + [self.scratch.index] * pad), non_blocking=True
+            self._staged([r.index for r in rows] + [self.scratch.index] * pad), non_blocking=True
         )
-        step.positions.copy_(starts[:, None] + torch.arange(tokens)[None, :], non_blocking=True)
-        step.last.copy_(torch.tensor([e.shape[1] - 1 for e in embeds] + [0] * pad), non_blocking=True)
+        step.positions.copy_(
+            self._staged([[p + t for t in range(tokens)] for p in starts]), non_blocking=True
+        )
+        step.last.copy_(self._staged([e.shape[1] - 1 for e in embeds] + [0] * pad), non_blocking=True)
         step.embeds.zero_()
         for b, e in enumerate(embeds):
             step.embeds[b, : e.shape[1]].copy_(e[0])
@@ -222,6 +224,13 @@ class DecodeGraphs:
             r.length += e.shape[1]
         assert step.logits is not None
         return step.logits[: len(rows)].clone()
+
+    def _staged(self, values: list[int] | list[list[int]]) -> Tensor:
+        """Host ints to copy into a step's inputs: in pinned memory on CUDA, so the copy queues behind
+        the work in flight instead of waiting for it (a pageable copy may sync the stream; the
+        launches of `llm.ahead` must not)."""
+        host = torch.tensor(values, dtype=torch.long)
+        return host.pin_memory() if self.pool.device.type == "cuda" else host
 
     def _room(self, positions: int) -> None:
         """Room for `positions` positions a row; a pool that reallocated its K/V drops every graph."""

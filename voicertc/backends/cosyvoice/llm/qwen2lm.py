@@ -28,8 +28,6 @@ from voicertc.backends.cosyvoice.llm.kv import KVSlot, SlotKV
 from voicertc.backends.cosyvoice.llm.sampling import (
     SamplingMode,
     SamplingParams,
-    ras_redraw,
-    ras_repeats,
     sample_token,
 )
 from voicertc.backends.cosyvoice.load.checkpoint import check_layout
@@ -132,6 +130,7 @@ class LlmSession:
     out_tokens: list[int] = field(default_factory=list)
     finished: bool = False
     logits: Tensor | None = None  # [V] raw llm_decoder output of the last step
+    unread: int = 0  # steps launched ahead whose tokens are not read yet (`llm.ahead`; 0 or 1)
 
     @property
     def step_index(self) -> int:
@@ -337,13 +336,6 @@ class Qwen2LM(nn.Module):
     def ban_ids(self, session: LlmSession) -> tuple[int, ...]:
         """The ids masked at this step (end of speech before min_len)."""
         return self.min_len_ban_ids if session.step_index < session.min_len else ()
-
-    def accept_drawn(self, session: LlmSession, drawn: int) -> int | None:
-        """Accept a token drawn on the device (`sampling.draw_rows`), RAS's repetition rule applied."""
-        assert session.logits is not None
-        if session.sampling == "ras" and ras_repeats(drawn, session.out_tokens, self.sampling_params):
-            drawn = ras_redraw(session.logits, drawn, self.ban_ids(session), session.generator)
-        return self.accept(session, force=drawn)
 
     def accept(self, session: LlmSession, *, force: int | None = None) -> int | None:
         """Pick the next token from `session.logits` (the input fed); see `step`."""

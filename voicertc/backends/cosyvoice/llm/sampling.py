@@ -79,9 +79,7 @@ def ras_sample(
     n = nucleus_size(probs_sorted, params.top_p, params.top_k)
     pick = torch.multinomial(probs_sorted[:n], 1, replacement=True, generator=generator)
     token = int(ids_sorted[pick].item())
-    window = decoded_tokens[-params.win_size :] if params.win_size > 0 else []
-    repeats = sum(1 for t in window if t == token)
-    if repeats >= params.win_size * params.tau_r:
+    if ras_repeats(token, decoded_tokens, params):
         banned = logp.clone()
         banned[token] = -float("inf")
         token = int(torch.multinomial(banned.softmax(dim=0), 1, replacement=True, generator=generator).item())
@@ -119,14 +117,16 @@ def draw_rows(
     bans: list[tuple[int, ...]],
     params: SamplingParams,
     generators: list[torch.Generator | None],
+    recent: Tensor | None = None,
 ) -> Tensor:
     """One draw per row of `logits` [B, V] without a host sync: token ids [B] on the logits' device.
 
     The decode graphs' path (`llm.batch.decode_batch` with graphs): the nucleus is found on the device
     (float32 cumulative sum of the sorted probabilities; a token is kept while the sum before it is
     under top_p, at most top_k: `nucleus_size`'s rule) and each row draws from it with its own
-    generator, so a row's token does not depend on the others in the batch. RAS's repetition rule
-    needs the decoded history and is applied after the one sync (`ras_redraw`). Greedy rows: argmax."""
+    generator, so a row's token does not depend on the others in the batch. Greedy rows: argmax.
+    `recent` [B, win_size] (each row's last decoded ids, -1 where it has fewer): RAS's repetition rule
+    on the device too (`ras_on_device`); None: no repetition rule (the caller applies it)."""
     logp = logits.float().log_softmax(dim=-1)
     for ban in {ban for ban in bans if ban}:  # (one in practice: end of speech before min_len)
         # device indices and row masks made once per pattern (a host list is a copy and a stream sync)
@@ -151,9 +151,36 @@ def draw_rows(
     for b in drawing:
         variates[b].exponential_(1, generator=generators[b])
     drawn = ids_sorted.gather(1, (weights / variates).argmax(dim=-1, keepdim=True)).squeeze(1)
+    if recent is not None:
+        drawn = ras_on_device(logp, drawn, recent, params, generators, drawing)
     if len(drawing) == len(modes):
         return drawn
     return torch.where(row_mask(tuple(mode == "greedy" for mode in modes), logp.device), greedy, drawn)
+
+
+def ras_on_device(
+    logp: Tensor,
+    drawn: Tensor,
+    recent: Tensor,
+    params: SamplingParams,
+    generators: list[torch.Generator | None],
+    drawing: list[int],
+) -> Tensor:
+    """RAS's repetition rule for the rows `drawing` of a batch without a host sync (`generators[b]`:
+    row b's): where a row's drawn id occurs at least win_size * tau_r times in its `recent` ids, its
+    token is redrawn from the whole distribution (`logp` [B, V], bans applied) with that id banned.
+    The redraw's Exp(1) variates are made for every drawing row whether it repeats or not (which rows
+    repeat is known only on the device), so a row's generator moves on by the same amount at every
+    step: its tokens depend on its own seed and history alone, never on the rows beside it; they are
+    the host rule's in distribution, not its draws (`ras_sample` consumes the generator only when it
+    redraws). -> tokens [B]."""
+    repeats = (recent == drawn[:, None]).sum(dim=1) >= params.win_size * params.tau_r  # [B]
+    banned = logp.scatter(1, drawn[:, None], -float("inf"))
+    variates = torch.ones_like(banned)
+    for b in drawing:
+        variates[b].exponential_(1, generator=generators[b])
+    redrawn = (banned.softmax(dim=-1) / variates).argmax(dim=-1)
+    return torch.where(repeats, redrawn, drawn)
 
 
 @functools.lru_cache(maxsize=64)
@@ -182,17 +209,3 @@ def ras_repeats(token: int, decoded_tokens: list[int], params: SamplingParams) -
     """RAS's rule: the drawn id occurs at least win_size * tau_r times in the last win_size tokens."""
     window = decoded_tokens[-params.win_size :] if params.win_size > 0 else []
     return sum(1 for t in window if t == token) >= params.win_size * params.tau_r
-
-
-def ras_redraw(
-    logits: Tensor,
-    token: int,
-    ban_ids: tuple[int, ...],
-    generator: torch.Generator | None,
-) -> int:
-    """RAS's second draw: the repeated id banned, from the whole distribution."""
-    logp = logits.float().log_softmax(dim=-1)
-    if ban_ids:
-        logp[list(ban_ids)] = -float("inf")
-    logp[token] = -float("inf")
-    return int(torch.multinomial(logp.softmax(dim=0), 1, replacement=True, generator=generator).item())

@@ -39,6 +39,7 @@ from voicertc.backends.cosyvoice.accel.captured import CudaCapture, run_eagerly
 from voicertc.backends.cosyvoice.flow.flow import FlowStreamState, StreamSolve
 from voicertc.backends.cosyvoice.flow.unet import GROW_FRAMES
 from voicertc.backends.cosyvoice.hift.batch import vocode_batch, vocode_batch_parts
+from voicertc.backends.cosyvoice.llm.ahead import DROPPED, DecodeAhead, DecodeLaunch, launch, read
 from voicertc.backends.cosyvoice.llm.batch import decode_batch
 from voicertc.backends.cosyvoice.llm.bistream import BistreamSession
 from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs
@@ -130,6 +131,8 @@ class BackendOptions:
     graph_rows: int = 16  # the largest bucket captured, in utterances (more rows run eagerly, counted)
     graph_memory_mb: float = 0.0  # flow + vocoder buckets together (0 = a quarter of the card)
     static_steps: bool = False  # flow + vocoder through the static-shape path without capture (CPU tests)
+    static_decode: bool = False  # the LLM's decode graphs' static steps without capture (CPU tests)
+    decode_ahead: bool = True  # with decode graphs: launch a step before reading the one before (`llm.ahead`)
     graph_warm_keys: int = 1024  # flow histories (frames) whose buckets are captured at start (CUDA)
     text_workers: int = 0  # text preparation processes ([engine] text_workers; 0 = on the engine thread)
     prep_chars: int = DEFAULT_CHUNK_CHARS  # one text preparation job at most, in characters
@@ -182,7 +185,7 @@ class CosyVoice2Backend:
         self.streaming_cap: int | None = self.options.max_streaming or None
         self.stats = {
             "chunks": 0, "batches": 0, "batched_chunks": 0, "batch_fallbacks": 0,
-            "decode_batches": 0, "decode_rows": 0, "vocode_batches": 0,
+            "decode_batches": 0, "decode_rows": 0, "decode_ahead": 0, "vocode_batches": 0,
         }  # fmt: skip
         text_normalize("warm up.", lambda s: [0] * len(s))  # loads the normaliser grammars now, not later
         self.text_prep = text_prep_for(model.text_frontend, self.options.text_workers)
@@ -207,11 +210,15 @@ class CosyVoice2Backend:
         )
 
     def _decode_graphs(self) -> DecodeGraphs | None:
+        """`cuda_graphs`: the LLM's decode steps captured (CUDA); `static_decode`: the same static steps
+        uncaptured (CPU tests: the device sampling and decoding ahead run as on the GPU)."""
+        head, rows = self.model.llm.llm_decoder, self.options.graph_rows
+        if self.options.static_decode and not self.options.cuda_graphs:
+            return DecodeGraphs(self.kv, head, rows, capture=False)
         if not self.options.cuda_graphs:
             return None
         if self.model.device.type != "cuda":
             raise ConfigError("engine.cuda_graphs: CUDA graphs need a CUDA device (engine.device)")
-        head, rows = self.model.llm.llm_decoder, self.options.graph_rows
         return DecodeGraphs(self.kv, head, rows, compile=self.options.compile_steps)
 
     # ---- voices -------------------------------------------------------------------------------
@@ -283,7 +290,7 @@ class CosyVoice2Backend:
             voice_id="warm-up", kind="sft",
         )  # fmt: skip
         with self.lane.compute():
-            if self.graphs is not None:
+            if self.graphs is not None and self.options.cuda_graphs:
                 self.graphs.warm()
             if self.captured is not None and self.options.cuda_graphs:
                 dtype = next(self.model.flow.parameters()).dtype
@@ -613,6 +620,7 @@ class CosyVoice2Backend:
         errors: dict[int, BaseException] = {}
         active = list(range(len(batch)))
         clock = self.budget.start()
+        ahead = DecodeAhead() if self.graphs is not None and self.options.decode_ahead else None
         for _ in range(self.options.decode_burst):
             local: list[int] = []
             prompts: list[int] = []
@@ -632,7 +640,7 @@ class CosyVoice2Backend:
                 else:
                     local.append(i)
             if local:
-                still += self._decode_local(batch, local, errors)
+                still += self._decode_local(batch, local, errors, ahead)
             for i in prompts:  # after the decode rows: a prompt's parts take what is left of the budget
                 st = self._state(batch[i])
                 try:
@@ -645,6 +653,8 @@ class CosyVoice2Backend:
             active = sorted(still)
             if not active or not clock.another():
                 break
+        if ahead is not None and ahead.launched is not None:  # the last step launched: read it now
+            self._read_ahead(batch, ahead, errors)
         return [errors.get(i, SynthStep(sample_rate_hz=SAMPLE_RATE_HZ)) for i in range(len(batch))]
 
     def _prefills_in_parts(self, st: Cv2State) -> bool:
@@ -692,28 +702,98 @@ class CosyVoice2Backend:
         return True, token
 
     def _decode_local(
-        self, batch: Sequence[Cv2Job], rows: list[int], errors: dict[int, BaseException]
+        self,
+        batch: Sequence[Cv2Job],
+        rows: list[int],
+        errors: dict[int, BaseException],
+        ahead: DecodeAhead | None = None,
     ) -> list[int]:
-        """One batched step of the rows decoding on this thread; the rows that may go on."""
+        """One batched step of the rows decoding on this thread; the rows that may go on. With `ahead`
+        (the decode graphs) the plain sessions' step is launched before the step before is read."""
         sessions: list[LlmSession | BistreamSession] = []
         for i in rows:
             st = self._state(batch[i])
             session = st.llm if st.llm is not None else st.bistream
             assert session is not None and not isinstance(session, StreamedSession)
             sessions.append(session)
+        still: list[int] = []
+        if ahead is not None:
+            assert self.graphs is not None
+            launching = [i for i, s in zip(rows, sessions, strict=True) if ahead.takes(s, self.graphs)]
+            still += self._launch_ahead(batch, launching, errors, ahead)
+            kept = [(i, s) for i, s in zip(rows, sessions, strict=True) if i not in launching]
+            rows, sessions = [i for i, _ in kept], [s for _, s in kept]
+            if not rows:
+                return still
         started = time.perf_counter()
         tokens = decode_batch(self.model.llm, sessions, self.graphs)
         now = time.perf_counter()
         self.stats["decode_batches"] += 1
         self.stats["decode_rows"] += len(rows)
         share = (now - started) / len(rows)
-        still = []
         for i, token in zip(rows, tokens, strict=True):
             if isinstance(token, BaseException):
                 errors[i] = token
             elif self._took_token(batch[i].utt, self._state(batch[i]), token, share, now):
                 still.append(i)
         return still
+
+    def _launch_ahead(
+        self, batch: Sequence[Cv2Job], rows: list[int], errors: dict[int, BaseException], ahead: DecodeAhead
+    ) -> list[int]:
+        """Launch a step of `rows` (plain sessions on the decode graphs' pool), then read the step launched
+        before (`llm.ahead`); the launched rows that may go on: those whose read token let them."""
+        assert self.graphs is not None
+        before = ahead.launched
+        ahead.launched = None
+        self.stats["decode_ahead"] += bool(rows) and before is not None  # launched behind a step in flight
+        if rows:
+            sessions = [self._plain(batch[i]) for i in rows]
+            ahead.row_of.update((id(session), i) for session, i in zip(sessions, rows, strict=True))
+            try:
+                ahead.launched = launch(self.model.llm, self.graphs, sessions, before)
+            except Exception as exc:  # noqa: BLE001 - the rows of this step fail together
+                for i in rows:
+                    errors[i] = exc
+                rows = []
+        stopped = self._read_ahead(batch, ahead, errors, before) if before is not None else set()
+        return [i for i in rows if i not in stopped and i not in errors]
+
+    def _read_ahead(
+        self,
+        batch: Sequence[Cv2Job],
+        ahead: DecodeAhead,
+        errors: dict[int, BaseException],
+        step: DecodeLaunch | None = None,
+    ) -> set[int]:
+        """Read a launched step (default: the last) and account its tokens; the rows it stopped (ended,
+        chunk ready, or failed): they launch no more steps in this unit."""
+        if step is None:
+            step, ahead.launched = ahead.launched, None
+        assert step is not None
+        rows = [ahead.row_of[id(s)] for s in step.sessions]
+        try:
+            tokens = read(self.model.llm, step)
+        except Exception as exc:  # noqa: BLE001 - the rows of this step fail together
+            for i in rows:
+                errors[i] = exc
+            return set(rows)
+        now = time.perf_counter()
+        self.stats["decode_batches"] += 1
+        self.stats["decode_rows"] += len(rows)
+        share, ahead.read_at_s = (now - ahead.read_at_s) / len(rows), now
+        stopped = set()
+        for i, token in zip(rows, tokens, strict=True):
+            if token == DROPPED:
+                stopped.add(i)
+            elif not self._took_token(batch[i].utt, self._state(batch[i]), token, share, now):
+                stopped.add(i)
+        return stopped
+
+    def _plain(self, job: Cv2Job) -> LlmSession:
+        session = self._state(job).llm
+        assert isinstance(session, LlmSession)
+        return session
 
     def _took_token(
         self, utt: Utterance[Cv2State], st: Cv2State, token: int | None, share_s: float, now: float

@@ -8,7 +8,9 @@ B sessions (30 text tokens, a 75-token prompt, RAS sampling with their own gener
 on their own slots of one `SlotKV`, then `decode_batch` runs all B rows per step. Reports wall ms per
 step (p50 over the runs), the engine thread's CPU ms per step, and total tokens/s (B / step time), with
 the speed-up over batch 1. `--graphs` runs the batched rows as CUDA graph replays (`DecodeGraphs`, one
-per (batch, key span) bucket; CUDA only). Writes bench/results/cv2_llm_batch_<device>.json.
+per (batch, key span) bucket; CUDA only); `--ahead` with it launches each step before reading the
+one before (`llm.ahead`, what the engine runs): ms per step is then the time between two reads. Writes
+bench/results/cv2_llm_batch_<device>.json.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from bench.make_full_model_dir import DEFAULT_OUT
 from bench.report import summary, table, write_json
+from voicertc.backends.cosyvoice.llm.ahead import launch, read
 from voicertc.backends.cosyvoice.llm.batch import decode_batch
 from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs
 from voicertc.backends.cosyvoice.llm.kv import SlotKV
@@ -36,6 +39,7 @@ def run_batch(
     graphs: bool,
     compile: bool = False,
     capacity: int = 512,
+    ahead: bool = False,
 ) -> dict[str, object]:
     pool = SlotKV(llm.llm.model.model, slots=max(batch, 1) + 1, capacity=capacity)
     static = DecodeGraphs(pool, llm.llm_decoder, max_rows=batch, compile=compile) if graphs else None
@@ -53,6 +57,22 @@ def run_batch(
     assert all(isinstance(t, int) for t in first), first
     for _ in range(warmup):
         decode_batch(llm, sessions, static)
+    if ahead:
+        assert static is not None
+        wall, cpu = _ahead_steps(llm, static, sessions, steps)
+    else:
+        wall, cpu = _read_steps(llm, static, sessions, steps, device)
+    step = summary(wall)
+    return {
+        "batch": batch,
+        "ms_per_step": step,
+        "cpu_ms_per_step": summary(cpu),
+        "tokens_per_s": 1000.0 * batch / step["p50"],
+    }
+
+
+def _read_steps(llm, static, sessions, steps: int, device: str) -> tuple[list[float], list[float]]:
+    """Each step launched and read (`decode_batch`): wall and CPU ms a step."""
     wall, cpu = [], []
     for _ in range(steps):
         started, cpu_started = time.perf_counter(), time.thread_time()
@@ -62,13 +82,27 @@ def run_batch(
         wall.append(1000 * (time.perf_counter() - started))
         cpu.append(1000 * (time.thread_time() - cpu_started))
         assert all(isinstance(t, int) for t in out), out
-    step = summary(wall)
-    return {
-        "batch": batch,
-        "ms_per_step": step,
-        "cpu_ms_per_step": summary(cpu),
-        "tokens_per_s": 1000.0 * batch / step["p50"],
-    }
+    return wall, cpu
+
+
+def _ahead_steps(llm, static, sessions, steps: int) -> tuple[list[float], list[float]]:
+    """Each step launched before the one before is read (`llm.ahead`): wall and CPU ms between reads."""
+    wall, cpu = [], []
+    before = None
+    last, cpu_last = time.perf_counter(), time.thread_time()
+    for _ in range(steps + 1):
+        now = launch(llm, static, sessions, before)
+        if before is not None:
+            out = read(llm, before)
+            assert all(isinstance(t, int) and t >= 0 for t in out), out
+            at, cpu_at = time.perf_counter(), time.thread_time()
+            wall.append(1000 * (at - last))
+            cpu.append(1000 * (cpu_at - cpu_last))
+            last, cpu_last = at, cpu_at
+        before = now
+    assert before is not None
+    read(llm, before)
+    return wall, cpu
 
 
 def main() -> None:
@@ -83,6 +117,9 @@ def main() -> None:
     parser.add_argument("--graphs", action="store_true", help="CUDA graph per batch bucket (CUDA only)")
     parser.add_argument("--compile", action="store_true", help="with --graphs: the static step compiled")
     parser.add_argument(
+        "--ahead", action="store_true", help="with --graphs: launch before reading (llm.ahead)"
+    )
+    parser.add_argument(
         "--capacity",
         type=int,
         default=512,
@@ -92,11 +129,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.compile and not args.graphs:
         parser.error("--compile compiles the static step of --graphs")
+    if args.ahead and not args.graphs:
+        parser.error("--ahead runs the static steps of --graphs")
     torch.set_num_threads(args.threads)
     llm = load_llm(args.model_dir, args.device, dtype=getattr(torch, args.dtype))
     llm.min_len_ban_ids = tuple(sorted(llm.stop_ids))  # random weights: no row ends during the timing
     results = [
-        run_batch(llm, b, args.steps, args.warmup, args.device, args.graphs, args.compile, args.capacity)
+        run_batch(
+            llm, b, args.steps, args.warmup, args.device, args.graphs, args.compile, args.capacity, args.ahead
+        )
         for b in args.batch
     ]
     base = results[0]["tokens_per_s"]
@@ -117,7 +158,8 @@ def main() -> None:
     path = write_json(
         f"cv2_llm_batch_{args.device.replace(':', '')}_{args.dtype}"
         + ("_graphs" if args.graphs else "")
-        + ("_compiled" if args.compile else ""),
+        + ("_compiled" if args.compile else "")
+        + ("_ahead" if args.ahead else ""),
         {"args": vars(args), "results": results, "load_avg_1m": load},
     )
     print(f"wrote {path}")

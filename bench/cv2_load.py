@@ -172,6 +172,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="with --cuda-graphs: [engine] compile")
     parser.add_argument("--llm", choices=["torch", "thread"], default="torch", help="[engine] llm")
     parser.add_argument(
+        "--no-decode-ahead", action="store_true", help="with --cuda-graphs: read every decode step at once"
+    )
+    parser.add_argument(
         "--dit-conv", choices=["conv1d", "matmul"], default="conv1d", help="[engine] dit_conv"
     )
     args = parser.parse_args()
@@ -193,6 +196,7 @@ def main() -> None:
         max_segment_tokens=args.max_tokens,
         cuda_graphs=args.cuda_graphs,
         compile_steps=args.compile and args.cuda_graphs,
+        decode_ahead=not args.no_decode_ahead,
         graph_rows=max(args.concurrency),
         # memory admission sized for these utterances: --max-tokens of own speech (the prompt is shared)
         streaming_context_s=max(1.0, args.max_tokens / 25),
@@ -237,6 +241,7 @@ def main() -> None:
         name += f"_{args.dit_conv}"
     name += "_graphs" if args.cuda_graphs else ""
     name += "_compiled" if args.compile else ""
+    name += "_stepped" if args.no_decode_ahead else ""
     name += "" if args.llm == "torch" else f"_llm_{args.llm}"
     print("wrote", write_json(name, record))  # noqa: T201
 

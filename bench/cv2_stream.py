@@ -125,10 +125,13 @@ def ttfa_rows(
     schedule: ChunkSchedule,
     cuda_graphs: bool = False,
     compile_steps: bool = False,
+    decode_ahead: bool = True,
 ) -> tuple[list[dict[str, object]], float, dict[str, dict[str, int]]]:
     """TTFA parts of `runs` utterances, the voice preparation time, and the captured stages' counts
     (replays, eager fallbacks, captures: whether the runs replayed what warm-up captured)."""
-    options = BackendOptions(seed=5, cuda_graphs=cuda_graphs, compile_steps=compile_steps)
+    options = BackendOptions(
+        seed=5, cuda_graphs=cuda_graphs, compile_steps=compile_steps, decode_ahead=decode_ahead
+    )
     # the backend first and warm, as the server is before it builds a voice: the prompt context is then
     # built through the captured steps, packed once and read in place by every utterance (built before,
     # it was in the per-layer form, and each run's first chunk packed its own copy of the whole prompt)
@@ -184,6 +187,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--cuda-graphs", action="store_true", help="(b) with [engine] cuda_graphs (CUDA)")
     parser.add_argument("--compile", action="store_true", help="(b) with --cuda-graphs: [engine] compile")
+    parser.add_argument(
+        "--no-decode-ahead",
+        action="store_true",
+        help="(b) with --cuda-graphs: read every decode step at once",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ttfa-prompt-tokens", type=int, default=75, help="voice prompt for (b)")
     parser.add_argument("--first-hop", type=int, default=25, help="schedule.first_hop_tokens for (b)")
@@ -204,7 +212,14 @@ def main() -> None:
 
     schedule = ChunkSchedule(first_hop_tokens=args.first_hop, grid_tokens=args.grid or None)
     rows, voice_prep_s, captured = ttfa_rows(
-        model, args.runs, args.device, args.ttfa_prompt_tokens, schedule, args.cuda_graphs, args.compile
+        model,
+        args.runs,
+        args.device,
+        args.ttfa_prompt_tokens,
+        schedule,
+        args.cuda_graphs,
+        args.compile,
+        decode_ahead=not args.no_decode_ahead,
     )
     if captured:
         print(f"captured stages (replays / eager / captures): {captured}")
@@ -219,6 +234,7 @@ def main() -> None:
         f"prompt{args.prompt_tokens}" if flow_rows else f"ttfa_p{args.ttfa_prompt_tokens}_hop{args.first_hop}"
     )
     name = f"cv2_stream_{args.device.split(':')[0]}_{part}{'_compiled' if args.compile else ''}"
+    name += "_stepped" if args.no_decode_ahead else ""
     print(f"wrote {write_json(name, record)}")
 
 

@@ -17,8 +17,11 @@
 # last and only when named in STEPS): pytest_gpu_compiled (the GPU tests of compiled steps; pytest_gpu
 # leaves them out), step_kernels (`bench.step_kernels`: kernels per static step, eager vs compiled),
 # decode_compiled (`bench.cv2_llm_batch --graphs`, eager kernels
-# then compiled, rows 1 16 32), cv2_stream_compiled, cv2_load_compiled (LEVELS_SMALL), cv2_load_expandable
-# (cv2_load with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True).
+# then compiled, rows 1 16 32), decode_ahead (the same uncompiled, read at once vs launched ahead),
+# cv2_stream_stepped / cv2_load_stepped (`--no-decode-ahead`: every decode
+# step read before the next is launched, the path before `llm.ahead`), cv2_stream_compiled,
+# cv2_load_compiled (LEVELS_SMALL), cv2_load_expandable (cv2_load with
+# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True).
 # cv2_load writes its JSON only at its end, so its levels are split in two steps and the large ones go
 # last: a timeout there loses only them. A step that would start past the deadline is skipped; a step
 # that fails does not stop the next one.
@@ -261,6 +264,17 @@ if [ -n "${STEPS:-}" ]; then  # compiling takes minutes: only when asked for by 
     step flow_step_inputs 120 "$PYTHON" -m bench.flow_step_inputs --device "$DEV" --utterances 1 8 16
     step decode_compiled "$T_COMPILED" bash -c '"$0" -m bench.cv2_llm_batch --model-dir "$1" "${@:2}" &&
         "$0" -m bench.cv2_llm_batch --model-dir "$1" "${@:2}" --compile' "$PYTHON" "$MODEL_DIR" "${DECODE[@]}"
+    # decode steps alone at the engine's slot capacity: each read before the next launch, then launched
+    # ahead of the read (`llm.ahead`): ms a token at 1 / 16 / 32 rows, uncompiled
+    step decode_ahead "$T_STREAM" bash -c '"$0" -m bench.cv2_llm_batch --model-dir "$1" "${@:2}" --capacity 2048 &&
+        "$0" -m bench.cv2_llm_batch --model-dir "$1" "${@:2}" --capacity 2048 --ahead' "$PYTHON" "$MODEL_DIR" \
+        "${DECODE[@]}"
+    # the decode steps read one at a time (before decode ahead, `llm.ahead`): TTFA and decode_first_hop_ms
+    # against cv2_stream's, and the load's underruns against cv2_load's
+    step cv2_stream_stepped "$T_STREAM" "$PYTHON" -m bench.cv2_stream --model-dir "$MODEL_DIR" "${STREAM[@]}" \
+        --no-decode-ahead
+    step cv2_load_stepped "$T_LOAD" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD[@]}" \
+        --concurrency "${LEVELS_SMALL[@]}" --no-decode-ahead
     step cv2_stream_compiled "$T_COMPILED" "$PYTHON" -m bench.cv2_stream --model-dir "$MODEL_DIR" "${STREAM[@]}" --compile
     step cv2_load_compiled "$T_COMPILED" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD[@]}" \
         --concurrency "${LEVELS_SMALL[@]}" --compile

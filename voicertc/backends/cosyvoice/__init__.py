@@ -13,7 +13,8 @@ Floor plan (data flows down the list: text -> speech_tokens -> mel -> wav -> pcm
     llm/     text tokens -> speech tokens (25 Hz)
              qwen2lm.py (v2) / v3.py, kv.py (SlotKV, KVSlot), batch.py (decode_batch), bistream.py
              (text deltas in), streamer.py (the LLM on another thread), graphs.py (CUDA-graph decode),
-             sampling.py (RAS), vllm/ (the vLLM runner, its model, plugin and RAS logits processor)
+             ahead.py (a decode step launched before the one before is read), sampling.py (RAS),
+             vllm/ (the vLLM runner, its model, plugin and RAS logits processor)
     flow/    speech tokens -> mel (causal CFM, chunk by chunk with caches)
              config.py / config_v3.py, flow.py (v2) / flow_v3.py, encoder.py, unet.py (v2 estimator),
              dit.py (v3 estimator), cfm.py (Euler solver with CFG), kv.py (growing K/V, rows appended

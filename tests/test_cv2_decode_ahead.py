@@ -162,3 +162,35 @@ def test_bad_launches_and_reads_are_refused(llm):
     session.finished = True
     with pytest.raises(ValueError, match="cannot take a step"):
         launch(llm, graphs, [session])
+
+
+def test_cosyvoice3s_llm_launched_ahead_draws_its_step_by_step_tokens(cv3_model, cv3_records):
+    """v3's LLM (200 stop ids, its own embedding table) on the same path: ahead == step by step."""
+    llm = cv3_model.llm
+    rec = cv3_records("llm_tiny.safetensors")
+    inputs = (rec["in_text"], rec["in_prompt_text"], rec["in_prompt_speech_token"])
+
+    def run(ahead: bool) -> list[list[int]]:
+        pool = SlotKV(llm.llm.model.model, slots=4, capacity=128)
+        graphs = DecodeGraphs(pool, llm.llm_decoder, max_rows=2, capture=False)
+        sessions = [
+            llm.prefill(*inputs, generator=torch.Generator().manual_seed(s), kv=pool.acquire())
+            for s in (3, 4)
+        ]
+        for session in sessions:
+            session.max_len = 30
+        before = None
+        while ahead:
+            runnable = [s for s in sessions if can_launch(s, graphs)]
+            now = launch(llm, graphs, runnable, before) if runnable else None
+            if before is not None:
+                read(llm, before)
+            if now is None:
+                break
+            before = now
+        while not all(s.finished for s in sessions):
+            decode_batch(llm, list(sessions), graphs)
+        return [s.out_tokens for s in sessions]
+
+    expected = run(ahead=False)
+    assert run(ahead=True) == expected and all(len(tokens) > 0 for tokens in expected)

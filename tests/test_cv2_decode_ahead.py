@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decode_helpers import decode_ahead, decode_stepped
 
-from voicertc.backends.cosyvoice.llm.ahead import DROPPED, can_launch, launch, read
-from voicertc.backends.cosyvoice.llm.batch import decode_batch
+from voicertc.backends.cosyvoice.llm.ahead import launch, read
 from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs
 from voicertc.backends.cosyvoice.llm.kv import SlotKV
 from voicertc.backends.cosyvoice.llm.qwen2lm import EOS_ID, LlmSession, Qwen2LM
@@ -41,35 +41,8 @@ def _sessions(llm: Qwen2LM, pool: SlotKV) -> list[LlmSession]:
     return sessions
 
 
-def _step_by_step(llm: Qwen2LM, pool: SlotKV, graphs: DecodeGraphs) -> list[list[int]]:
-    sessions = _sessions(llm, pool)
-    out: list[list[int]] = [[] for _ in sessions]
-    while not all(s.finished for s in sessions):
-        for row, token in zip(out, decode_batch(llm, list(sessions), graphs), strict=True):
-            assert not isinstance(token, BaseException)
-            if token is not None:
-                row.append(token)
-    return out
-
-
-def _ahead(llm: Qwen2LM, pool: SlotKV, graphs: DecodeGraphs) -> tuple[list[list[int]], int, int]:
-    """Every step launched before the one before is read; (tokens, launches behind one in flight,
-    dropped reads)."""
-    sessions = _sessions(llm, pool)
-    out: list[list[int]] = [[] for _ in sessions]
-    before, behind, dropped = None, 0, 0
-    while True:
-        runnable = [s for s in sessions if can_launch(s, graphs)]
-        now = launch(llm, graphs, runnable, before) if runnable else None
-        behind += now is not None and before is not None
-        if before is not None:
-            for session, token in zip(before.sessions, read(llm, before), strict=True):
-                dropped += token == DROPPED
-                if token is not None and token != DROPPED:
-                    out[sessions.index(session)].append(token)
-        if now is None:
-            return out, behind, dropped
-        before = now
+def _decode(how, llm: Qwen2LM, pool: SlotKV, graphs: DecodeGraphs):  # noqa: ANN001, ANN202
+    return how(llm, graphs, _sessions(llm, pool))
 
 
 def _ending_llm(llm: Qwen2LM, tiny_model_dir) -> Qwen2LM:
@@ -89,8 +62,8 @@ def test_launching_ahead_draws_the_tokens_of_step_by_step_decoding(llm, tiny_mod
         pool = SlotKV(backbone, slots=8, capacity=64)
         return pool, DecodeGraphs(pool, model.llm_decoder, max_rows=4, capture=False)
 
-    expected = _step_by_step(model, *graphs())
-    got, behind, dropped = _ahead(model, *graphs())
+    expected = _decode(decode_stepped, model, *graphs())
+    got, behind, dropped = _decode(decode_ahead, model, *graphs())
     assert got == expected
     assert behind >= 5  # the steps did run ahead
     assert len(expected[2]) == 7  # max_len
@@ -179,18 +152,7 @@ def test_cosyvoice3s_llm_launched_ahead_draws_its_step_by_step_tokens(cv3_model,
         ]
         for session in sessions:
             session.max_len = 30
-        before = None
-        while ahead:
-            runnable = [s for s in sessions if can_launch(s, graphs)]
-            now = launch(llm, graphs, runnable, before) if runnable else None
-            if before is not None:
-                read(llm, before)
-            if now is None:
-                break
-            before = now
-        while not all(s.finished for s in sessions):
-            decode_batch(llm, list(sessions), graphs)
-        return [s.out_tokens for s in sessions]
+        return decode_ahead(llm, graphs, sessions)[0] if ahead else decode_stepped(llm, graphs, sessions)
 
     expected = run(ahead=False)
     assert run(ahead=True) == expected and all(len(tokens) > 0 for tokens in expected)

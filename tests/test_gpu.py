@@ -10,13 +10,12 @@ import numpy as np
 import pytest
 import torch
 from cv2_engine_helpers import SFT_VOICE, build_speaking_model_dir
+from decode_helpers import decode_ahead, decode_stepped
 from engine_helpers import EventLog, RecordingSink
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
 from voicertc.assemble import create_engine
-from voicertc.backends.cosyvoice.llm.ahead import can_launch, launch, read
-from voicertc.backends.cosyvoice.llm.batch import decode_batch
 from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs
 from voicertc.backends.cosyvoice.llm.kv import SlotKV
 from voicertc.backends.cosyvoice.llm.qwen2lm import LlmSession
@@ -81,26 +80,15 @@ def test_decoding_ahead_on_cuda_draws_the_step_by_step_tokens(tiny_model_dir):
             for i, t in enumerate(texts)
         ]
 
-    def graphs() -> tuple[SlotKV, DecodeGraphs]:
+    def graphs() -> tuple[DecodeGraphs, list[LlmSession]]:
         pool = SlotKV(llm.llm.model.model, slots=8, capacity=256)
-        return pool, DecodeGraphs(pool, llm.llm_decoder, max_rows=4)
+        return DecodeGraphs(pool, llm.llm_decoder, max_rows=4), sessions(pool)
 
-    pool, stepped_graphs = graphs()
-    stepped = sessions(pool)
-    while not all(s.finished for s in stepped):
-        decode_batch(llm, list(stepped), stepped_graphs)
-    pool, ahead_graphs = graphs()
-    ahead, before = sessions(pool), None
-    while True:
-        runnable = [s for s in ahead if can_launch(s, ahead_graphs)]
-        now = launch(llm, ahead_graphs, runnable, before) if runnable else None
-        if before is not None:
-            read(llm, before)
-        if now is None:
-            break
-        before = now
-    assert [s.out_tokens for s in ahead] == [s.out_tokens for s in stepped]
-    assert ahead_graphs.replays > 0 and all(len(s.out_tokens) > 0 for s in ahead)
+    stepped = decode_stepped(llm, *graphs())
+    ahead_graphs, ahead_sessions = graphs()
+    ahead, behind, _ = decode_ahead(llm, ahead_graphs, ahead_sessions)
+    assert ahead == stepped and all(len(tokens) > 0 for tokens in ahead)
+    assert ahead_graphs.replays > 0 and behind > 0
 
 
 def test_prompt_step_replays_match_feeding_each_prompt(tiny_model_dir):

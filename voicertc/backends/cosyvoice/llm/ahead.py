@@ -97,7 +97,8 @@ def launch(
         embeds = torch.cat([_one_position(sessions[b], rows[b], before) for b in single])
         parts.append((single, graphs.logits([_slot(sessions[b]) for b in single], embeds)))
     if prompts:
-        parts.append((prompts, _prompt_logits(llm, graphs, [sessions[b] for b in prompts])))
+        slots, embeds_list = [_slot(sessions[b]) for b in prompts], [_pending(sessions[b]) for b in prompts]
+        parts.append((prompts, prompt_logits(llm, graphs, slots, embeds_list)))
     ordered = [sessions[b] for part, _ in parts for b in part]
     logits = torch.cat([p for _, p in parts]) if len(parts) > 1 else parts[0][1]
     tokens = draw_rows(
@@ -179,14 +180,14 @@ def _ban_ids(llm: Qwen2LM, session: LlmSession) -> tuple[int, ...]:
     return llm.min_len_ban_ids if len(session.out_tokens) + session.unread < session.min_len else ()
 
 
-def _prompt_logits(llm: Qwen2LM, graphs: DecodeGraphs, sessions: list[LlmSession]) -> Tensor:
-    """Logits [B, V] of the prompts' last positions: one captured prompt step where they fit one,
-    else one eager forward (`SlotKV.forward_ragged`)."""
-    slots, embeds = [_slot(s) for s in sessions], [_pending(s) for s in sessions]
+def prompt_logits(llm: Qwen2LM, graphs: DecodeGraphs, slots: list[KVSlot], embeds: list[Tensor]) -> Tensor:
+    """Logits [B, V] of the prompts' last positions (`embeds` [1, T_b, H] on `slots`): one captured
+    prompt step (`DecodeGraphs.prompt_logits`) where they fit one, else one eager forward
+    (`SlotKV.forward_ragged`)."""
     logits = graphs.prompt_logits(slots, embeds)
     if logits is not None:
         return logits
-    if len(sessions) == 1:
+    if len(slots) == 1:
         return llm.feed(slots[0], embeds[0])[None]
     return llm.llm_decoder(slots[0].pool.forward_ragged(slots, embeds))
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from voicertc.backends.cosyvoice.llm.ahead import can_launch, launch, read
+from voicertc.backends.cosyvoice.llm.ahead import can_launch, launch, prompt_logits, read
 from voicertc.backends.cosyvoice.llm.bistream import BistreamSession
 from voicertc.backends.cosyvoice.llm.kv import KVSlot
 from voicertc.backends.cosyvoice.llm.qwen2lm import LlmSession, Qwen2LM
@@ -86,7 +86,7 @@ def decode_batch(
     if prompts:
         assert graphs is not None
         try:
-            logits = _prompt_logits(llm, graphs, prompts)
+            logits = prompt_logits(llm, graphs, [p[1] for p in prompts], [p[2] for p in prompts])
             for row, (i, _, _) in enumerate(prompts):
                 sessions[i].logits = logits[row]
                 fed.append(i)
@@ -115,15 +115,3 @@ def decode_batch(
 def _launches(session: LlmSession | BistreamSession, graphs: DecodeGraphs) -> bool:
     """A plain session on the graphs' pool with nothing in flight: its step goes through `llm.ahead`."""
     return isinstance(session, LlmSession) and session.unread == 0 and can_launch(session, graphs)
-
-
-def _prompt_logits(llm: Qwen2LM, graphs: DecodeGraphs, prompts: list[tuple[int, KVSlot, Tensor]]) -> Tensor:
-    """Logits [B, V] of the prompts' last positions: one captured prompt step (`DecodeGraphs.prompt_logits`)
-    where they fit one, else one eager forward (`SlotKV.forward_ragged`)."""
-    rows, embeds = [p[1] for p in prompts], [p[2] for p in prompts]
-    logits = graphs.prompt_logits(rows, embeds)
-    if logits is not None:
-        return logits
-    if len(prompts) == 1:
-        return llm.feed(rows[0], embeds[0])[None]
-    return llm.llm_decoder(rows[0].pool.forward_ragged(rows, embeds))

@@ -203,6 +203,7 @@ def test_decoding_ahead_speaks_what_step_by_step_decoding_speaks(model, golden_d
     _, sinks_ahead = _run(ahead, jobs)
     _, sinks_stepped = _run(stepped, jobs)
     assert ahead.stats["decode_ahead"] >= 6 and stepped.stats["decode_ahead"] == 0
+    assert ahead.stats["decode_rows"] == stepped.stats["decode_rows"]  # no step taken or counted twice
     for uid, _, _ in jobs:
         a, b = sinks_ahead[uid].samples(uid), sinks_stepped[uid].samples(uid)
         assert a.size == b.size == 40 * TOKEN_SAMPLES

@@ -60,8 +60,13 @@ class DecodeAhead:
     read_at_s: float = field(default_factory=time.perf_counter)
 
     @staticmethod
-    def takes(session: object, graphs: DecodeGraphs) -> bool:
-        return isinstance(session, LlmSession) and can_launch(session, graphs)
+    def owns(session: object, graphs: DecodeGraphs) -> bool:
+        """A plain session on the graphs' pool: its steps are launched here (or none while it cannot)."""
+        return (
+            isinstance(session, LlmSession)
+            and isinstance(session.cache, KVSlot)
+            and session.cache.pool is graphs.pool
+        )
 
 
 def can_launch(session: LlmSession, graphs: DecodeGraphs) -> bool:

@@ -39,7 +39,7 @@ from voicertc.backends.cosyvoice.accel.captured import CudaCapture, run_eagerly
 from voicertc.backends.cosyvoice.flow.flow import FlowStreamState, StreamSolve
 from voicertc.backends.cosyvoice.flow.unet import GROW_FRAMES
 from voicertc.backends.cosyvoice.hift.batch import vocode_batch, vocode_batch_parts
-from voicertc.backends.cosyvoice.llm.ahead import DROPPED, DecodeAhead, DecodeLaunch, launch, read
+from voicertc.backends.cosyvoice.llm.ahead import DROPPED, DecodeAhead, DecodeLaunch, can_launch, launch, read
 from voicertc.backends.cosyvoice.llm.batch import decode_batch
 from voicertc.backends.cosyvoice.llm.bistream import BistreamSession
 from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs
@@ -717,11 +717,12 @@ class CosyVoice2Backend:
             assert session is not None and not isinstance(session, StreamedSession)
             sessions.append(session)
         still: list[int] = []
-        if ahead is not None:
-            assert self.graphs is not None
-            launching = [i for i, s in zip(rows, sessions, strict=True) if ahead.takes(s, self.graphs)]
+        if ahead is not None:  # the plain sessions on the graphs' pool never take the step-by-step path:
+            assert self.graphs is not None  # one at max_len with its last token unread launches nothing
+            owned = [(i, s) for i, s in zip(rows, sessions, strict=True) if ahead.owns(s, self.graphs)]
+            launching = [i for i, s in owned if isinstance(s, LlmSession) and can_launch(s, self.graphs)]
             still += self._launch_ahead(batch, launching, errors, ahead)
-            kept = [(i, s) for i, s in zip(rows, sessions, strict=True) if i not in launching]
+            kept = [(i, s) for i, s in zip(rows, sessions, strict=True) if i not in dict(owned)]
             rows, sessions = [i for i, _ in kept], [s for _, s in kept]
             if not rows:
                 return still

@@ -49,6 +49,8 @@
 #   STEPS            only these steps (names as in steps.tsv, space-separated; default: all): a lease split
 #                    in two calls runs half each, e.g. STEPS="model_dir pytest_gpu cv2_stream cv2_load"
 #   LEVELS_SMALL, LEVELS_LARGE  cv2_load's concurrency levels of its two steps (default 1 8 16 / 32 64)
+#   PYTEST_K         pytest_gpu's `-k` (default "not compiled": ~4 minutes), e.g. "ahead" (the decode-ahead
+#                    equality on CUDA, seconds) in a short call
 #   PEER_FLOOR       0: v3's peer step skips the official side's second process (its run-to-run floor)
 #   PEER_TOKENS, PEER_RUNS  bench.peer_official's utterance lengths and runs on cuda (default "250 750", 2;
 #                    each official process costs ~25-30 s on an H100 before its first chunk)
@@ -226,7 +228,7 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
 
 step model_dir "$T_DIR" "$PYTHON" -m "${MAKE_DIR[@]}"
 step pytest_gpu "$T_TEST" "$PYTHON" -m pytest -q -m gpu tests/test_gpu*.py -p no:cacheprovider \
-    -k "not compiled" --junitxml="$PACK/pytest_gpu.xml"
+    -k "${PYTEST_K:-not compiled}" --junitxml="$PACK/pytest_gpu.xml"
 # the compiled steps' GPU tests (inductor compiles: minutes): only when named in STEPS
 [ -n "${STEPS:-}" ] && step pytest_gpu_compiled "$T_COMPILED" "$PYTHON" -m pytest -q -m gpu tests/test_gpu*.py \
     -p no:cacheprovider -k compiled --junitxml="$PACK/pytest_gpu_compiled.xml"

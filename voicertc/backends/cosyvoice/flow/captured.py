@@ -35,6 +35,7 @@ from voicertc.backends.cosyvoice.accel.captured import (
     row_bucket,
     run_eagerly,
 )
+from voicertc.backends.cosyvoice.accel.staging import to_device
 from voicertc.backends.cosyvoice.flow.graph import (
     INPUT_NAMES,
     MASK_BIAS,
@@ -184,7 +185,7 @@ class CapturedEstimator(GraphEstimator):
             width, batch = self.layout.conv_width, rows * len(starts)
             tail = (torch.arange(width, device=like.device) + frames).expand(batch, width)
             rope = self.module.rope(starts, rows, shape.frames, like.dtype)
-            self._positions, self._positions_key = (bias.to(like.device), [tail, *rope]), key
+            self._positions, self._positions_key = (to_device(bias, like.device), [tail, *rope]), key
         return self._positions
 
     def _exact(

@@ -39,6 +39,7 @@ from voicertc.backends.cosyvoice.accel.captured import (
     as_tensors,
     run_eagerly,
 )
+from voicertc.backends.cosyvoice.accel.staging import to_device
 from voicertc.backends.cosyvoice.flow.captured import Buckets, StepShape
 from voicertc.backends.cosyvoice.flow.encoder import (
     ConformerLayer,
@@ -202,15 +203,7 @@ def positions(
     bias_f, index_f = _bias_and_index(
         stride * start, stride * tokens, stride * shape.keys, stride * shape.frames, up_chunk, dtype
     )
-    return _Positions(*(_to_device(t, device) for t in (keep, tail, bias_t, bias_f, index_t, index_f)))
-
-
-def _to_device(t: Tensor, device: torch.device) -> Tensor:
-    """A host-made tensor on `device`; to a GPU from pinned memory without a stream sync (a pageable
-    copy waits for everything queued before it)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return _Positions(*(to_device(t, device) for t in (keep, tail, bias_t, bias_f, index_t, index_f)))
 
 
 def _bias_and_index(

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from voicertc.backends.cosyvoice.accel.staging import to_device
 from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs
 from voicertc.backends.cosyvoice.llm.kv import KVSlot
 from voicertc.backends.cosyvoice.llm.qwen2lm import LlmSession, Qwen2LM
@@ -214,19 +215,12 @@ def _recent(
             assert row is not None
             flight_rows.append(b)
             from_rows.append(row)
-    recent = _to_device(host, device)
+    recent = to_device(host, device)
     if flight_rows and before is not None:
-        rows = _to_device(torch.tensor(flight_rows), device)
-        flight = before.tokens.index_select(0, _to_device(torch.tensor(from_rows), device))
+        rows = to_device(torch.tensor(flight_rows), device)
+        flight = before.tokens.index_select(0, to_device(torch.tensor(from_rows), device))
         recent.select(1, window - 1).index_copy_(0, rows, flight)
     return recent
-
-
-def _to_device(host: Tensor, device: torch.device) -> Tensor:
-    """A host tensor on `device` without a stream sync (staged through pinned memory on CUDA)."""
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _to_host(tokens: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from voicertc.backends.cosyvoice.accel.compiled import call_sealed, compiled_step
+from voicertc.backends.cosyvoice.accel.staging import staged
 from voicertc.backends.cosyvoice.llm.kv import KVSlot, SlotKV
 
 logger = logging.getLogger(__name__)
@@ -226,11 +227,9 @@ class DecodeGraphs:
         return step.logits[: len(rows)].clone()
 
     def _staged(self, values: list[int] | list[list[int]]) -> Tensor:
-        """Host ints to copy into a step's inputs: in pinned memory on CUDA, so the copy queues behind
-        the work in flight instead of waiting for it (a pageable copy may sync the stream; the
-        launches of `llm.ahead` must not)."""
-        host = torch.tensor(values, dtype=torch.long)
-        return host.pin_memory() if self.pool.device.type == "cuda" else host
+        """Host ints to copy into a step's inputs without a stream sync (`accel.staging`: the launches
+        of `llm.ahead` must not wait for the step in flight)."""
+        return staged(torch.tensor(values, dtype=torch.long), self.pool.device)
 
     def _room(self, positions: int) -> None:
         """Room for `positions` positions a row; a pool that reallocated its K/V drops every graph."""

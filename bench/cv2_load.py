@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
 
 from bench.make_full_model_dir import DEFAULT_OUT, DEFAULT_OUT_V3, make_full_model_dir
 from bench.report import summary, table, write_json
@@ -134,6 +135,26 @@ def run_level(engine: EngineWorker, voice: str, concurrency: int, timeout_s: flo
     }
 
 
+def profiled_level(
+    engine: EngineWorker, voice: str, concurrency: int, timeout_s: float, out: dict[str, object]
+) -> dict[str, object]:
+    """`run_level` under torch.profiler; the top ops by host and by device time go into `out` (tables)."""
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    # every thread (the engine's works on its own), and on CUDA its synchronisations as events
+    config = _ExperimentalConfig(profile_all_threads=True, enable_cuda_sync_events=cuda)
+    with profile(activities=activities, experimental_config=config) as prof:
+        result = run_level(engine, voice, concurrency, timeout_s)
+        if cuda:
+            torch.cuda.synchronize()
+    averages = prof.key_averages()
+    out["level"] = concurrency
+    out["by host time"] = averages.table(sort_by="self_cpu_time_total", row_limit=30)
+    if cuda:
+        out["by device time"] = averages.table(sort_by="self_cuda_time_total", row_limit=30)
+    return result
+
+
 def _device_mallocs() -> int | None:
     """cudaMalloc calls of torch's caching allocator so far (None without CUDA)."""
     if not torch.cuda.is_available():
@@ -173,6 +194,13 @@ def main() -> None:
     parser.add_argument("--llm", choices=["torch", "thread"], default="torch", help="[engine] llm")
     parser.add_argument(
         "--no-decode-ahead", action="store_true", help="with --cuda-graphs: read every decode step at once"
+    )
+    parser.add_argument(
+        "--profile-level",
+        type=int,
+        default=0,
+        help="run this concurrency level under torch.profiler: the top ops by host and by device time "
+        "(CUDA kernels and runtime calls such as cudaMalloc, from every thread) printed and in the JSON",
     )
     parser.add_argument(
         "--dit-conv", choices=["conv1d", "matmul"], default="conv1d", help="[engine] dit_conv"
@@ -225,7 +253,13 @@ def main() -> None:
     engine.start()
     try:
         run_level(engine, voice, 1, args.timeout_s)  # warm-up: kernels, allocator, caches
-        results = [run_level(engine, voice, n, args.timeout_s) for n in args.concurrency]
+        profiled: dict[str, object] = {}
+        results = [
+            profiled_level(engine, voice, n, args.timeout_s, profiled)
+            if n == args.profile_level
+            else run_level(engine, voice, n, args.timeout_s)
+            for n in args.concurrency
+        ]
         # replays / eager fallbacks / captures over every level (read before the stop closes the stages)
         captured = backend.captured_counts()
     finally:
@@ -233,8 +267,12 @@ def main() -> None:
     print(table([_row(r) for r in results], list(_row(results[0]))))  # noqa: T201 - benchmark output
     if captured:
         print("captured stages (replays / eager / captures):", captured)  # noqa: T201
+    for title in ("by host time", "by device time"):
+        if title in profiled:
+            print(f"profile of {args.profile_level} at once, {title}:\n{profiled[title]}")  # noqa: T201
     record = {
-        "args": vars(args), "device_name": _device_name(args.device), "results": results, "captured": captured
+        "args": vars(args), "device_name": _device_name(args.device), "results": results,
+        "captured": captured, "profile": profiled,
     }  # fmt: skip
     name = f"cv{args.version}_load_{args.device.split(':')[0]}_{args.dtype}"
     if args.dit_conv != "conv1d":
@@ -242,6 +280,7 @@ def main() -> None:
     name += "_graphs" if args.cuda_graphs else ""
     name += "_compiled" if args.compile else ""
     name += "_stepped" if args.no_decode_ahead else ""
+    name += f"_profiled{args.profile_level}" if args.profile_level else ""
     name += "" if args.llm == "torch" else f"_llm_{args.llm}"
     print("wrote", write_json(name, record))  # noqa: T201
 

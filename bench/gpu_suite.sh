@@ -18,6 +18,7 @@
 # leaves them out), step_kernels (`bench.step_kernels`: kernels per static step, eager vs compiled),
 # decode_compiled (`bench.cv2_llm_batch --graphs`, eager kernels
 # then compiled, rows 1 16 32), decode_ahead (the same uncompiled, read at once vs launched ahead),
+# cv2_load_profiled (the largest LEVELS_SMALL level under torch.profiler),
 # cv2_stream_stepped / cv2_load_stepped (`--no-decode-ahead`: every decode
 # step read before the next is launched, the path before `llm.ahead`), cv2_stream_compiled,
 # cv2_load_compiled (LEVELS_SMALL), cv2_load_expandable (cv2_load with
@@ -271,6 +272,11 @@ if [ -n "${STEPS:-}" ]; then  # compiling takes minutes: only when asked for by 
     step decode_ahead "$T_STREAM" bash -c '"$0" -m bench.cv2_llm_batch --model-dir "$1" "${@:2}" --capacity 2048 &&
         "$0" -m bench.cv2_llm_batch --model-dir "$1" "${@:2}" --capacity 2048 --ahead' "$PYTHON" "$MODEL_DIR" \
         "${DECODE[@]}"
+    # one load level under torch.profiler (every thread's CUDA kernels and runtime calls, cudaMalloc
+    # included): where the engine's first flow unit of 16 spends its time (286-327 ms on the H100 where
+    # the probe's warm first chunks of 16 took 128)
+    step cv2_load_profiled "$T_LOAD" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD[@]}" \
+        --concurrency "${LEVELS_SMALL[-1]}" --profile-level "${LEVELS_SMALL[-1]}"
     # the decode steps read one at a time (before decode ahead, `llm.ahead`): TTFA and decode_first_hop_ms
     # against cv2_stream's, and the load's underruns against cv2_load's
     step cv2_stream_stepped "$T_STREAM" "$PYTHON" -m bench.cv2_stream --model-dir "$MODEL_DIR" "${STREAM[@]}" \

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from voicertc.backends.cosyvoice.accel.compiled import call_sealed, compiled_step
-from voicertc.backends.cosyvoice.llm.graphs import CAPTURE_ERROR_MODE
+from voicertc.backends.cosyvoice.llm.graphs import capturing
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class CudaCapture:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=CAPTURE_ERROR_MODE):
+        with capturing(graph, self.pool):
             outputs = step()
 
         def replay() -> Outputs:

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +45,26 @@ logger = logging.getLogger(__name__)
 # thread's CUDA work during a capture (the threaded LLM's decode) neither invalidates it nor fails in
 # that thread ("global", torch's default, forbids it process-wide)
 CAPTURE_ERROR_MODE = "thread_local"
+_capture_streams: dict[torch.device, torch.cuda.Stream] = {}  # one side stream a device for every capture
+
+
+@contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
+    """Capture the CUDA work of the block into `graph` (its memory from `pool`): `torch.cuda.graph`
+    without the cache flushes it starts with. That context empties torch's device and pinned-host
+    caches before every capture (memory for the graph); a bucket captured while calls speak (a history
+    past the warmed keys, a decode pool that grew) then sends every later allocation back to the
+    driver, each cudaMalloc / cudaHostAlloc slow and the frees synchronising the device. The graphs
+    here share a private pool and the warm-up sizes the memory budget, so nothing is flushed."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    stream = _capture_streams.setdefault(device, torch.cuda.Stream(device))
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool, capture_error_mode=CAPTURE_ERROR_MODE)
+        try:
+            yield
+        finally:
+            graph.capture_end()
 
 
 def batch_buckets(max_rows: int) -> tuple[int, ...]:
@@ -357,7 +379,7 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(side)
         warm_s = time.perf_counter() - start
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode=CAPTURE_ERROR_MODE):
+        with capturing(graph, self._mempool):
             step.logits = self._forward(step)
         step.graph = graph
         if step.last is None:

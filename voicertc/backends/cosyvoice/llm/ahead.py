@@ -45,6 +45,7 @@ class DecodeLaunch:
     next_embeds: Tensor  # [B, 1, H] each drawn id embedded: the next step's input
     host: Tensor  # [B] int64: the ids on the host once `done` has fired (pinned on CUDA)
     done: torch.cuda.Event | None  # None on a CPU (the ids are there already)
+    recent: Tensor  # [B, win_size] each row's last ids with this step's: the next step's RAS window
     read: bool = False
 
     def row_of(self, session: LlmSession) -> int | None:
@@ -98,22 +99,32 @@ def launch(
     rows = [_input_row(s, before) for s in sessions]
     single = [b for b, s in enumerate(sessions) if rows[b] is not None or _pending(s).shape[1] == 1]
     prompts = [b for b in range(len(sessions)) if b not in single]
+    # the steady state: the same sessions as the step before, in its order: its outputs are the inputs
+    steady = before is not None and not prompts and rows == list(range(len(before.sessions)))
     parts: list[tuple[list[int], Tensor]] = []
     if single:
-        embeds = torch.cat([_one_position(sessions[b], rows[b], before) for b in single])
+        embeds = (
+            before.next_embeds
+            if steady and before is not None
+            else torch.cat([_one_position(sessions[b], rows[b], before) for b in single])
+        )
         parts.append((single, graphs.logits([_slot(sessions[b]) for b in single], embeds)))
     if prompts:
         slots, embeds_list = [_slot(sessions[b]) for b in prompts], [_pending(sessions[b]) for b in prompts]
         parts.append((prompts, prompt_logits(llm, graphs, slots, embeds_list)))
     ordered = [sessions[b] for part, _ in parts for b in part]
     logits = torch.cat([p for _, p in parts]) if len(parts) > 1 else parts[0][1]
+    window = llm.sampling_params.win_size
+    recent = (
+        before.recent if steady and before is not None else _recent(ordered, before, window, logits.device)
+    )
     tokens = draw_rows(
         logits,
         [s.sampling for s in ordered],
         [_ban_ids(llm, s) for s in ordered],
         llm.sampling_params,
         [s.generator for s in ordered],
-        recent=_recent(ordered, before, llm.sampling_params.win_size, logits.device),
+        recent=recent,
     )
     rows_in_table = llm.speech_embedding.num_embeddings
     next_embeds = llm.speech_embedding(tokens.clamp(max=rows_in_table - 1))[:, None]
@@ -122,7 +133,8 @@ def launch(
         s.pending = None
         s.unread += 1
         s.logits = None
-    return DecodeLaunch(ordered, tokens, next_embeds, host, done)
+    recent_out = torch.cat([recent[:, 1:], tokens[:, None]], dim=1) if window > 0 else recent
+    return DecodeLaunch(ordered, tokens, next_embeds, host, done, recent_out)
 
 
 def read(llm: Qwen2LM, step: DecodeLaunch) -> list[int | None]:

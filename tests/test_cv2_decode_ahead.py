@@ -96,6 +96,14 @@ def test_the_token_in_flight_is_in_the_repetition_window(llm, tiny_model_dir):
     assert read(model, second)[0] not in (123, None)
     third = launch(model, graphs, [session])
     assert read(model, third)[0] != 123  # still in the window
+    # a step of fewer sessions than the one before (another left): each takes its own window from it
+    a, b = (
+        model.prefill(TEXTS[1], sampling="ras", generator=torch.Generator().manual_seed(s), kv=pool.acquire())
+        for s in (2, 3)
+    )
+    both = launch(model, graphs, [a, b])
+    second_of_b = launch(model, graphs, [b], both)
+    assert read(model, both) == [123, 123] and read(model, second_of_b)[0] not in (123, None)
 
 
 def test_ras_on_the_device_redraws_a_repeat_and_moves_every_generator_alike():

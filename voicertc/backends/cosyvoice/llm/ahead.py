@@ -6,8 +6,10 @@ step's sync the host accepts the tokens, does the engine's bookkeeping and prepa
 inputs, and only then launches it (the H100 runs of 2026-11-27: 2.8 ms a replayed step, 4.4-5.0 ms a
 token in the engine). Here everything a step needs from the one before stays on the device: the drawn
 tokens [B], their embeddings (the next step's input, `DecodeLaunch.next_embeds`) and RAS's repetition
-rule (`sampling.ras_on_device`, each row's recent ids made on the device from what the host has read
-plus the token still in flight). So `launch` queues step k+1 while step k still runs, and `read` of
+rule (`sampling.ras_on_device`; each launch keeps its rows' last ids with its own, `DecodeLaunch.recent`,
+and a session's next launch reads its window there: the ids in flight are in it). In the steady state
+(the same sessions as the step before) a launch takes the step before's outputs as they are, with no
+host copy. So `launch` queues step k+1 while step k still runs, and `read` of
 step k (its event, then host bookkeeping) overlaps step k+1 on the device: at most one unread launch a
 session (`LlmSession.unread`).
 
@@ -115,9 +117,11 @@ def launch(
     ordered = [sessions[b] for part, _ in parts for b in part]
     logits = torch.cat([p for _, p in parts]) if len(parts) > 1 else parts[0][1]
     window = llm.sampling_params.win_size
-    recent = (
-        before.recent if steady and before is not None else _recent(ordered, before, window, logits.device)
-    )
+    if steady and before is not None:
+        recent = before.recent
+    else:
+        order = [b for part, _ in parts for b in part]
+        recent = _recent(ordered, [rows[b] for b in order], before, window, logits.device)
     tokens = draw_rows(
         logits,
         [s.sampling for s in ordered],
@@ -211,27 +215,27 @@ def prompt_logits(llm: Qwen2LM, graphs: DecodeGraphs, slots: list[KVSlot], embed
 
 
 def _recent(
-    sessions: list[LlmSession], before: DecodeLaunch | None, window: int, device: torch.device
+    sessions: list[LlmSession],
+    rows: list[int | None],
+    before: DecodeLaunch | None,
+    window: int,
+    device: torch.device,
 ) -> Tensor:
-    """Each session's last `window` ids [B, window] on `device` (-1 where it has fewer): those read on
-    the host, then the one in flight in `before` (still on the device)."""
+    """Each session's last `window` ids [B, window] on `device` (-1 where it has fewer): a session in
+    `before` (`rows[b]`, its row there) takes that step's window, which holds the ids still in flight;
+    any other, the ids read on the host."""
     host = torch.full((len(sessions), window), -1, dtype=torch.long)
-    flight_rows, from_rows = [], []
     for b, s in enumerate(sessions):
-        known = window - s.unread
-        tail = s.out_tokens[-known:] if known > 0 else []
+        tail = s.out_tokens[-window:] if window > 0 and rows[b] is None else []
         if tail:
-            host[b, known - len(tail) : known] = torch.tensor(tail, dtype=torch.long)
-        if s.unread and before is not None and window > 0:
-            row = before.row_of(s)
-            assert row is not None
-            flight_rows.append(b)
-            from_rows.append(row)
+            host[b, window - len(tail) :] = torch.tensor(tail, dtype=torch.long)
     recent = to_device(host, device)
-    if flight_rows and before is not None:
-        rows = to_device(torch.tensor(flight_rows), device)
-        flight = before.tokens.index_select(0, to_device(torch.tensor(from_rows), device))
-        recent.select(1, window - 1).index_copy_(0, rows, flight)
+    flight = [b for b, row in enumerate(rows) if row is not None]
+    if flight and before is not None and window > 0:
+        from_rows = to_device(torch.tensor([rows[b] for b in flight]), device)
+        recent.index_copy_(
+            0, to_device(torch.tensor(flight), device), before.recent.index_select(0, from_rows)
+        )
     return recent
 
 

@@ -14,7 +14,9 @@
     decode to the first hop, flow and vocoder of the first chunk, for a zero-shot voice with a 3 s
     prompt (75 tokens; `--ttfa-prompt-tokens`) and a 26-token transcript. `--first-hop 13 --grid 25`
     measures the short first hop on the flow's grid (same mel, see voicertc/engine/schedule.py).
-Prints two tables and writes bench/results/cv2_stream_<device>.json.
+`--version 3`: (b) only, through `CosyVoice3Backend` on the full-size random v3 directory (issue 21's
+TTFA parts; (a) is the v2 flow's). Prints two tables and writes bench/results/cv2_stream_<device>.json
+(cv3_stream_ttfa_<device>... for v3).
 """
 
 from __future__ import annotations
@@ -25,13 +27,16 @@ import time
 import torch
 
 from bench.cv2_flow_chunks import timed
-from bench.make_full_model_dir import DEFAULT_OUT, make_full_model_dir
+from bench.make_full_model_dir import DEFAULT_OUT, DEFAULT_OUT_V3, make_full_model_dir
 from bench.report import summary, table, write_json
 from voicertc.backends.cosyvoice.flow.flow import CausalFlow
 from voicertc.backends.cosyvoice.load import load_v2 as load
+from voicertc.backends.cosyvoice.load import load_v3
 from voicertc.backends.cosyvoice.load.files import DTYPES
 from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model
+from voicertc.backends.cosyvoice.load.v3 import CosyVoice3Model
 from voicertc.backends.cosyvoice.serve.backend import BackendOptions, CosyVoice2Backend
+from voicertc.backends.cosyvoice.serve.backend_v3 import CosyVoice3Backend
 from voicertc.backends.cosyvoice.voice.voices import voice_from_features
 from voicertc.engine import ChunkSchedule
 from voicertc.engine.utterance import Utterance
@@ -135,7 +140,8 @@ def ttfa_rows(
     # the backend first and warm, as the server is before it builds a voice: the prompt context is then
     # built through the captured steps, packed once and read in place by every utterance (built before,
     # it was in the per-layer form, and each run's first chunk packed its own copy of the whole prompt)
-    backend = CosyVoice2Backend(model, schedule, options=options)
+    kind = CosyVoice3Backend if isinstance(model, CosyVoice3Model) else CosyVoice2Backend
+    backend = kind(model, schedule, options=options)
     if device.startswith("cuda"):  # as the engine does before it says ready: kernels, captured buckets
         backend.warm_up()
     gen = torch.Generator().manual_seed(11)
@@ -179,7 +185,8 @@ def ttfa_rows(
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model-dir", default=str(DEFAULT_OUT))
+    parser.add_argument("--version", type=int, choices=[2, 3], default=2, help="CosyVoice2 or 3 ((b) only)")
+    parser.add_argument("--model-dir", default="", help="default: the full-size random directory")
     parser.add_argument("--chunks", type=int, default=12, help="flow chunks for (a); 0 = skip (a)")
     parser.add_argument("--prompt-tokens", type=int, default=17, help="flow prompt for (a); 75 = 3 s")
     parser.add_argument("--runs", type=int, default=3)
@@ -198,8 +205,13 @@ def main() -> None:
     parser.add_argument("--grid", type=int, default=0, help="schedule.grid_tokens for (b); 0 = reference")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    make_full_model_dir(DEFAULT_OUT) if args.model_dir == str(DEFAULT_OUT) else None
-    model = load(args.model_dir, args.device, DTYPES[args.dtype])
+    if args.version == 3 and args.chunks:
+        parser.error("--version 3 measures (b) only: give --chunks 0")
+    if not args.model_dir:
+        default = DEFAULT_OUT_V3 if args.version == 3 else DEFAULT_OUT
+        args.model_dir = str(make_full_model_dir(default, version=args.version))
+    loader = load_v3 if args.version == 3 else load
+    model = loader(args.model_dir, args.device, DTYPES[args.dtype])
 
     flow_rows: list[dict[str, object]] = []
     flat = floor = float("nan")
@@ -233,7 +245,7 @@ def main() -> None:
     part = (
         f"prompt{args.prompt_tokens}" if flow_rows else f"ttfa_p{args.ttfa_prompt_tokens}_hop{args.first_hop}"
     )
-    name = f"cv2_stream_{args.device.split(':')[0]}_{part}{'_compiled' if args.compile else ''}"
+    name = f"cv{args.version}_stream_{args.device.split(':')[0]}_{part}{'_compiled' if args.compile else ''}"
     name += "_stepped" if args.no_decode_ahead else ""
     print(f"wrote {write_json(name, record)}")
 

@@ -24,7 +24,8 @@ PARALLEL_TESTS := $(filter-out tests/test_cv2_loopback.py tests/test_cv2_text_pr
 	tests/test_listen_pcm_hops.py tests/test_bf16_rotary.py tests/test_draw_one.py tests/test_static_steps.py \
 	tests/test_step_budget.py tests/test_bf16_euler.py tests/test_dtx_schedule.py tests/test_track_dtx.py \
 	tests/test_grouped_attention.py tests/test_slot_kv_fused.py tests/test_flow_context_bytes.py \
-	tests/test_flow_qkv.py tests/test_flow_step_inputs.py tests/test_flow_saved_states.py tests/test_flow_kv_rows.py
+	tests/test_flow_qkv.py tests/test_flow_step_inputs.py tests/test_flow_saved_states.py tests/test_flow_kv_rows.py \
+	tests/test_error_guard.py
 # Servers without clocks (schemas, config, voices): with the model tests, beside nothing that measures
 # playback. The Ray modules stay serial: a client joins the newest cluster on the host
 # (`address = "auto"`), so two Ray modules at once would cross their clusters.

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.gpu_flow_probe import first_chunk_inputs
 from bench.gpu_probe import make_voice
 from bench.make_full_model_dir import DEFAULT_OUT, make_full_model_dir
 from bench.report import table, write_json
@@ -57,11 +58,7 @@ def _chunk_calls(model: CosyVoice2Model, voice: Voice, rows: int, euler: bool) -
     first = schedule.first_hop_tokens + schedule.lookahead_tokens
     t2ws = [token2wav_stream(model, voice, schedule, pcm_to_host=_to_numpy) for _ in range(rows)]
     try:
-        for t2w in t2ws:
-            t2w.add_tokens([1] * first)
-        plans = [t2w.plan(final=False) for t2w in t2ws]
-        tokens = [p.new_tokens for p in plans if p is not None]
-        states = [t2w.flow_state for t2w in t2ws if t2w.flow_state is not None]
+        tokens, states = first_chunk_inputs(t2ws, [[1] * first for _ in t2ws])
         with torch.inference_mode():
             solved: list[StreamSolve] = []
             encode = aten_calls(lambda: solved.append(model.flow.start_stream_batch(tokens, states, False)))

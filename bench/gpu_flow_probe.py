@@ -27,13 +27,16 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from bench.gpu_probe import _profile_table, make_voice, probe_output
 from bench.report import summary
+from voicertc.backends.cosyvoice.flow.flow import FlowStreamState
 from voicertc.backends.cosyvoice.load import load_v2
 from voicertc.backends.cosyvoice.load.files import DTYPES
 from voicertc.backends.cosyvoice.serve.backend import BackendOptions, CosyVoice2Backend
 from voicertc.backends.cosyvoice.serve.streams import token2wav_stream
+from voicertc.backends.cosyvoice.serve.token2wav import Token2WavStream
 from voicertc.engine import ChunkSchedule
 
 logger = logging.getLogger("bench.gpu_flow_probe")
@@ -52,6 +55,19 @@ def _ms(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
     return 1e3 * (time.perf_counter() - started), out
 
 
+def first_chunk_inputs(
+    t2ws: list[Token2WavStream], token_rows: list[list[int]]
+) -> tuple[list[Tensor], list[FlowStreamState]]:
+    """Each stream given its first chunk's tokens: the (new tokens, flow state) lists
+    `CausalFlow.start_stream_batch` takes for their first chunks together."""
+    for t2w, ids in zip(t2ws, token_rows, strict=True):
+        t2w.add_tokens(ids)
+    plans = [t2w.plan(final=False) for t2w in t2ws]
+    tokens = [p.new_tokens for p in plans if p is not None]
+    states = [t2w.flow_state for t2w in t2ws if t2w.flow_state is not None]
+    return tokens, states
+
+
 def first_chunks(
     backend: CosyVoice2Backend, rows: int, runs: int, profile_to: Path | None
 ) -> dict[str, object]:
@@ -68,11 +84,9 @@ def first_chunks(
         ]
         gen = torch.Generator().manual_seed(run)
         try:
-            for t2w in t2ws:
-                t2w.add_tokens(torch.randint(0, model.flow.cfg.vocab_size, (first,), generator=gen).tolist())
-            plans = [t2w.plan(final=False) for t2w in t2ws]
-            tokens = [p.new_tokens for p in plans if p is not None]
-            states = [t2w.flow_state for t2w in t2ws if t2w.flow_state is not None]
+            vocab = model.flow.cfg.vocab_size
+            ids = [torch.randint(0, vocab, (first,), generator=gen).tolist() for _ in t2ws]
+            tokens, states = first_chunk_inputs(t2ws, ids)
             with torch.inference_mode():
                 took, stream = _ms(partial(model.flow.start_stream_batch, tokens, states, False), device)
                 took_euler, _ = _ms(partial(model.flow.advance_stream, stream), device)  # type: ignore[arg-type]
@@ -87,11 +101,7 @@ def first_chunks(
             token2wav_stream(model, voice, schedule, pcm_to_host=backend.lane.to_host) for _ in range(rows)
         ]
         try:
-            for t2w in t2ws:
-                t2w.add_tokens([1] * first)
-            plans = [t2w.plan(final=False) for t2w in t2ws]
-            tokens = [p.new_tokens for p in plans if p is not None]
-            states = [t2w.flow_state for t2w in t2ws if t2w.flow_state is not None]
+            tokens, states = first_chunk_inputs(t2ws, [[1] * first for _ in t2ws])
 
             def whole() -> object:
                 with torch.inference_mode():

@@ -3,6 +3,7 @@ read at once) or ahead (`llm.ahead`, each step launched before the one before is
 
 from __future__ import annotations
 
+from voicertc.backends.cosyvoice.accel.tape import no_host_syncs
 from voicertc.backends.cosyvoice.llm.ahead import DROPPED, DecodeLaunch, can_launch, launch, read
 from voicertc.backends.cosyvoice.llm.batch import decode_batch
 from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs
@@ -24,13 +25,15 @@ def decode_ahead(
     llm: Qwen2LM, graphs: DecodeGraphs, sessions: list[LlmSession]
 ) -> tuple[list[list[int]], int, int]:
     """Each session's tokens, every step launched before the one before is read; (tokens, launches
-    made behind one in flight, dropped reads)."""
+    made behind one in flight, dropped reads). A launch must only queue work: one that syncs the host
+    with the device fails (`accel.tape.no_host_syncs`)."""
     out: list[list[int]] = [[] for _ in sessions]
     before: DecodeLaunch | None = None
     behind = dropped = 0
     while True:
         runnable = [s for s in sessions if can_launch(s, graphs)]
-        now = launch(llm, graphs, runnable, before) if runnable else None
+        with no_host_syncs():
+            now = launch(llm, graphs, runnable, before) if runnable else None
         behind += now is not None and before is not None
         if before is not None:
             for session, token in zip(before.sessions, read(llm, before), strict=True):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from decode_helpers import decode_ahead, decode_stepped
 
+from voicertc.backends.cosyvoice.accel.tape import TapeCapture
 from voicertc.backends.cosyvoice.llm.ahead import launch, read
 from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs
 from voicertc.backends.cosyvoice.llm.kv import SlotKV
@@ -60,7 +61,7 @@ def test_launching_ahead_draws_the_tokens_of_step_by_step_decoding(llm, tiny_mod
 
     def graphs() -> tuple[SlotKV, DecodeGraphs]:
         pool = SlotKV(backbone, slots=8, capacity=64)
-        return pool, DecodeGraphs(pool, model.llm_decoder, max_rows=4, capture=False)
+        return pool, DecodeGraphs(pool, model.llm_decoder, max_rows=4, capture=TapeCapture())
 
     expected = _decode(decode_stepped, model, *graphs())
     got, behind, dropped = _decode(decode_ahead, model, *graphs())
@@ -85,7 +86,7 @@ def test_the_token_in_flight_is_in_the_repetition_window(llm, tiny_model_dir):
     with torch.no_grad():
         model.llm_decoder.bias[123] += 40.0
     pool = SlotKV(model.llm.model.model, slots=4, capacity=64)
-    graphs = DecodeGraphs(pool, model.llm_decoder, max_rows=2, capture=False)
+    graphs = DecodeGraphs(pool, model.llm_decoder, max_rows=2, capture=TapeCapture())
     session = model.prefill(
         TEXTS[0], sampling="ras", generator=torch.Generator().manual_seed(1), kv=pool.acquire()
     )
@@ -130,7 +131,7 @@ def test_ras_on_the_device_redraws_a_repeat_and_moves_every_generator_alike():
 
 def test_bad_launches_and_reads_are_refused(llm):
     pool = SlotKV(llm.llm.model.model, slots=4, capacity=64)
-    graphs = DecodeGraphs(pool, llm.llm_decoder, max_rows=2, capture=False)
+    graphs = DecodeGraphs(pool, llm.llm_decoder, max_rows=2, capture=TapeCapture())
     session = llm.prefill(TEXTS[0], sampling="greedy", kv=pool.acquire())
     with pytest.raises(ValueError, match="no sessions"):
         launch(llm, graphs, [])
@@ -153,7 +154,7 @@ def test_cosyvoice3s_llm_launched_ahead_draws_its_step_by_step_tokens(cv3_model,
 
     def run(ahead: bool) -> list[list[int]]:
         pool = SlotKV(llm.llm.model.model, slots=4, capacity=128)
-        graphs = DecodeGraphs(pool, llm.llm_decoder, max_rows=2, capture=False)
+        graphs = DecodeGraphs(pool, llm.llm_decoder, max_rows=2, capture=TapeCapture())
         sessions = [
             llm.prefill(*inputs, generator=torch.Generator().manual_seed(s), kv=pool.acquire())
             for s in (3, 4)

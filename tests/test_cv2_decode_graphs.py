@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from voicertc.backends.cosyvoice.accel.tape import TapeCapture
 from voicertc.backends.cosyvoice.llm.graphs import (
     DecodeGraphs,
     batch_buckets,
@@ -57,7 +58,7 @@ def test_static_step_matches_the_eager_batched_step(llm, rows):
     hidden = backbone.config.hidden_size
     lengths = [7 + 5 * i for i in range(rows)]
     eager_pool, static_pool = SlotKV(backbone, slots=8, capacity=64), SlotKV(backbone, slots=8, capacity=64)
-    graphs = DecodeGraphs(static_pool, head, max_rows=8)
+    graphs = DecodeGraphs(static_pool, head, max_rows=8, capture=TapeCapture())
     eager_rows = _prefilled(eager_pool, llm, lengths, seed=1)
     static_rows = _prefilled(static_pool, llm, lengths, seed=1)
     gen = torch.Generator().manual_seed(2)
@@ -79,7 +80,7 @@ def test_the_pool_growing_under_the_steps_keeps_them_exact(llm):
     backbone, head = llm.llm.model.model, llm.llm_decoder
     hidden = backbone.config.hidden_size
     eager_pool, static_pool = SlotKV(backbone, slots=2, capacity=16), SlotKV(backbone, slots=2, capacity=16)
-    graphs = DecodeGraphs(static_pool, head, max_rows=4)
+    graphs = DecodeGraphs(static_pool, head, max_rows=4, capture=TapeCapture())
     eager_rows = _prefilled(eager_pool, llm, [14, 3], seed=3)
     static_rows = _prefilled(static_pool, llm, [14, 3], seed=3)  # the scratch row made it grow to 4 slots
     assert static_pool.slots == 4
@@ -96,7 +97,7 @@ def test_more_rows_than_the_largest_bucket_decode_eagerly(llm):
     backbone, head = llm.llm.model.model, llm.llm_decoder
     hidden = backbone.config.hidden_size
     eager_pool, static_pool = SlotKV(backbone, slots=8, capacity=32), SlotKV(backbone, slots=8, capacity=32)
-    graphs = DecodeGraphs(static_pool, head, max_rows=2)
+    graphs = DecodeGraphs(static_pool, head, max_rows=2, capture=TapeCapture())
     eager_rows = _prefilled(eager_pool, llm, [4, 5, 6], seed=5)
     static_rows = _prefilled(static_pool, llm, [4, 5, 6], seed=5)
     embeds = torch.randn(3, 1, hidden, generator=torch.Generator().manual_seed(6))
@@ -108,7 +109,7 @@ def test_more_rows_than_the_largest_bucket_decode_eagerly(llm):
 def test_bad_steps_are_refused(llm):
     backbone, head = llm.llm.model.model, llm.llm_decoder
     pool = SlotKV(backbone, slots=4, capacity=16)
-    graphs = DecodeGraphs(pool, head, max_rows=4)
+    graphs = DecodeGraphs(pool, head, max_rows=4, capture=TapeCapture())
     slot = pool.acquire()
     hidden = backbone.config.hidden_size
     with pytest.raises(ValueError, match=r"\[B, 1, H\]"):
@@ -135,7 +136,7 @@ def test_a_step_attends_over_its_rows_span_not_the_capacity_and_stays_exact(llm)
     backbone, head = llm.llm.model.model, llm.llm_decoder
     hidden = backbone.config.hidden_size
     eager_pool, static_pool = SlotKV(backbone, slots=4, capacity=64), SlotKV(backbone, slots=4, capacity=64)
-    graphs = DecodeGraphs(static_pool, head, max_rows=4, span_quantum=8)
+    graphs = DecodeGraphs(static_pool, head, max_rows=4, span_quantum=8, capture=TapeCapture())
     eager_rows = _prefilled(eager_pool, llm, [3, 5], seed=5)
     static_rows = _prefilled(static_pool, llm, [3, 5], seed=5)
     gen = torch.Generator().manual_seed(6)
@@ -164,7 +165,7 @@ def test_prompt_steps_equal_feeding_each_prompt_eagerly(llm, prompt_lengths):
     hidden = backbone.config.hidden_size
     prefixes = [4 + 3 * i for i in range(len(prompt_lengths))]
     eager_pool, static_pool = SlotKV(backbone, slots=8, capacity=64), SlotKV(backbone, slots=8, capacity=64)
-    graphs = DecodeGraphs(static_pool, head, max_rows=4, span_quantum=16)
+    graphs = DecodeGraphs(static_pool, head, max_rows=4, span_quantum=16, capture=TapeCapture())
     eager_rows = _prefilled(eager_pool, llm, prefixes, seed=7)
     static_rows = _prefilled(static_pool, llm, prefixes, seed=7)
     gen = torch.Generator().manual_seed(8)
@@ -189,7 +190,7 @@ def test_prompt_steps_equal_feeding_each_prompt_eagerly(llm, prompt_lengths):
 def test_a_prompt_past_every_prompt_step_or_the_pool_is_left_to_the_eager_forward(llm):
     backbone, head = llm.llm.model.model, llm.llm_decoder
     pool = SlotKV(backbone, slots=4, capacity=512)
-    graphs = DecodeGraphs(pool, head, max_rows=2)
+    graphs = DecodeGraphs(pool, head, max_rows=2, capture=TapeCapture())
     row = pool.acquire()
     long = torch.randn(1, 300, backbone.config.hidden_size)
     assert graphs.prompt_logits([row], [long]) is None

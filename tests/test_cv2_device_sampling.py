@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from voicertc.backends.cosyvoice.accel.tape import TapeCapture
 from voicertc.backends.cosyvoice.llm.batch import decode_batch
 from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs
 from voicertc.backends.cosyvoice.llm.kv import SlotKV
@@ -113,7 +114,7 @@ def test_ras_sessions_decoded_together_draw_what_each_draws_alone(llm):
 
     def run(groups: list[list[int]]) -> dict[int, list]:
         pool = SlotKV(backbone, slots=8, capacity=64)
-        graphs = DecodeGraphs(pool, llm.llm_decoder, max_rows=4, capture=False)
+        graphs = DecodeGraphs(pool, llm.llm_decoder, max_rows=4, capture=TapeCapture())
         sessions = {
             i: llm.prefill(
                 texts[i], sampling="ras", generator=torch.Generator().manual_seed(i), kv=pool.acquire()

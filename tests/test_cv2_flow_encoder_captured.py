@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from capture_helpers import CountingCapture
 from flow_stream_helpers import GRID, LOOKAHEAD, golden_flow_voice, two_utterances
 
+from voicertc.backends.cosyvoice.accel.tape import TapeCapture
 from voicertc.backends.cosyvoice.flow.captured import Buckets, StepShape
 from voicertc.backends.cosyvoice.flow.captured_encoder import CapturedEncoder, positions
 from voicertc.backends.cosyvoice.flow.flow import CausalFlow
@@ -21,7 +21,7 @@ ROWS = 3
 
 def _runner(flow: CausalFlow, max_keys: int = 256, capture=None) -> CapturedEncoder:
     buckets = Buckets(max_rows=4, key_quantum=16, max_keys=max_keys, frame_buckets=(32, 64), smallest_rows=1)
-    return CapturedEncoder(flow.encoder, buckets=buckets, capture=capture or CountingCapture())
+    return CapturedEncoder(flow.encoder, buckets=buckets, capture=capture or TapeCapture())
 
 
 def _stream(
@@ -122,7 +122,7 @@ def test_padded_positions_hide_padding_and_index_the_real_relative_positions():
 
 
 def test_warm_up_captures_every_bucket_given_once(flow):
-    capture = CountingCapture()
+    capture = TapeCapture()
     runner = _runner(flow, capture=capture)
     like = torch.zeros(1)
     assert runner.warm([1, 2], [32, 64], [16, 32], like) == 8

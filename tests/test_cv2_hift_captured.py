@@ -9,9 +9,9 @@ import copy
 
 import pytest
 import torch
-from capture_helpers import CountingCapture
 
 from voicertc.backends.cosyvoice.accel.captured import GraphBudget, row_bucket
+from voicertc.backends.cosyvoice.accel.tape import TapeCapture
 from voicertc.backends.cosyvoice.hift.batch import hift_stream_step_batch
 from voicertc.backends.cosyvoice.hift.captured import CapturedHiftDecode
 from voicertc.backends.cosyvoice.hift.generator import HiftConfig, HiFTGenerator
@@ -49,7 +49,7 @@ def test_row_buckets_are_powers_of_two_up_to_the_cap():
 def test_a_streamed_utterance_through_the_captured_decode_equals_eager(hift):
     mels = _mels(7)
     eager = _stream(hift, mels, 7)
-    capture = CountingCapture()
+    capture = TapeCapture()
     hift.decode_runner = runner = CapturedHiftDecode(hift, capture=capture)
     try:
         got = _stream(hift, mels, 7)
@@ -89,7 +89,7 @@ def test_three_rows_in_a_four_row_bucket_equal_each_row_alone(hift):
 def test_past_the_budget_or_the_rows_it_runs_eagerly_and_is_counted(hift):
     mels = _mels(9)
     eager = _stream(hift, mels, 9)
-    capture = CountingCapture()
+    capture = TapeCapture()
     starved = CapturedHiftDecode(hift, capture=capture, budget=GraphBudget(limit_bytes=1024))
     hift.decode_runner = starved
     try:

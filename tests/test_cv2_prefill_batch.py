@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from voicertc.backends.cosyvoice.accel.tape import TapeCapture
 from voicertc.backends.cosyvoice.llm.batch import decode_batch
 from voicertc.backends.cosyvoice.llm.graphs import DecodeGraphs
 from voicertc.backends.cosyvoice.llm.kv import SlotKV
@@ -30,7 +31,7 @@ def _sessions(llm, pool: SlotKV):
 def test_ragged_prefill_equals_each_prompt_fed_alone(llm):
     backbone = llm.llm.model.model
     alone_pool, ragged_pool = SlotKV(backbone, slots=4, capacity=64), SlotKV(backbone, slots=8, capacity=64)
-    graphs = DecodeGraphs(ragged_pool, llm.llm_decoder, max_rows=4, capture=False)
+    graphs = DecodeGraphs(ragged_pool, llm.llm_decoder, max_rows=4, capture=TapeCapture())
     alone, together = _sessions(llm, alone_pool), _sessions(llm, ragged_pool)
     alone_tokens, prompt_lengths = [], []
     for s in alone:  # each alone, no graphs

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from capture_helpers import CountingCapture
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
 from voicertc.backends.cosyvoice.accel.captured import GraphBudget
+from voicertc.backends.cosyvoice.accel.tape import TapeCapture
 from voicertc.backends.cosyvoice.hift.captured_causal import CapturedCausalHift
 from voicertc.backends.cosyvoice.hift.causal import HiftStreamState
 from voicertc.backends.cosyvoice.hift.causal_batch import step_batch
@@ -60,7 +60,7 @@ def _installed(hift, runner):
 def test_a_stream_through_the_replays_equals_the_eager_stream(hift, long_mel):
     pieces = _pieces(long_mel, 0, CHUNKS)
     eager = _stream(hift, pieces)
-    capture = CountingCapture()
+    capture = TapeCapture()
     runner = _installed(hift, CapturedCausalHift(hift, capture=capture))
     try:
         got = _stream(hift, pieces)
@@ -81,7 +81,7 @@ def test_another_stream_replays_buckets_made_at_other_positions(hift, long_mel):
     sizes_a, sizes_b = [58, 100, 100, 100, 40], [58, 100, 100, 100, 100, 100, 40]
     pa, pb = _pieces(long_mel, 300, sizes_a), _pieces(long_mel, 900, sizes_b)
     eager_b = _stream(hift, pb)
-    capture = CountingCapture()
+    capture = TapeCapture()
     runner = _installed(hift, CapturedCausalHift(hift, capture=capture))
     try:
         _stream(hift, pa)
@@ -122,7 +122,7 @@ def test_three_rows_in_a_four_row_bucket_equal_each_row_alone(hift, long_mel):
 def test_past_the_budget_or_the_rows_it_runs_eagerly_and_is_counted(hift, long_mel):
     pieces = _pieces(long_mel, 600, CHUNKS)
     eager = _stream(hift, pieces)
-    capture = CountingCapture()
+    capture = TapeCapture()
     starved = CapturedCausalHift(hift, capture=capture, budget=GraphBudget(limit_bytes=1024))
     _installed(hift, starved)
     try:
@@ -141,7 +141,7 @@ def test_past_the_budget_or_the_rows_it_runs_eagerly_and_is_counted(hift, long_m
 def test_the_warm_up_captures_the_phases_of_the_schedules_first_chunks(hift, long_mel):
     schedule = ChunkSchedule()
     sizes = [2 * schedule.hop_tokens(i) for i in range(4)]
-    capture = CountingCapture()
+    capture = TapeCapture()
     runner = _installed(hift, CapturedCausalHift(hift, capture=capture))
     try:
         made = runner.warm(sizes, [1, 2], torch.zeros(1))

@@ -11,7 +11,8 @@ span (a handful of thread blocks walking the keys on a GPU), and the engine's ca
 positions made every step of a short utterance walk all of them. A pool that grows (more slots, more
 positions) reallocates its K/V tensors and the graphs are captured again.
 
-On a CPU the same padded static step runs eagerly (no capture), which is what the CPU tests check
+On a CPU the same padded static step runs eagerly (no capture), or recorded once and replayed from its
+ops (`capture=TapeCapture()`, `accel.tape`: what a CUDA graph does), which is what the CPU tests check
 against `SlotKV.forward`; on CUDA the gpu tests check that replay gives the eager tokens.
 
 `compile=True` (`[engine] compile` with `cuda_graphs`) runs the static step through `torch.compile`
@@ -40,6 +41,9 @@ from voicertc.backends.cosyvoice.accel.staging import staged
 from voicertc.backends.cosyvoice.llm.kv import KVSlot, SlotKV
 
 logger = logging.getLogger(__name__)
+
+# a CPU stand-in for a capture: a step in, its replay out (`accel.tape.TapeCapture`)
+CpuCapture = Callable[[Callable[[], tuple[Tensor, ...]]], Callable[[], tuple[Tensor, ...]]]
 
 # every capture of the wing (decode graphs here, the flow and HiFT steps in accel/captured.py): another
 # thread's CUDA work during a capture (the threaded LLM's decode) neither invalidates it nor fails in
@@ -117,6 +121,7 @@ class StaticStep:
     last: Tensor | None = None  # a prompt step's: [rows] each row's last real position in `embeds`
     logits: Tensor | None = None  # [rows, V] (written by the step)
     graph: torch.cuda.CUDAGraph | None = None
+    recorded: Callable[[], tuple[Tensor, ...]] | None = None  # the CPU stand-in's replay (`accel.tape`)
     compiled: bool = False  # runs the compiled step (else the uncompiled one)
 
 
@@ -128,7 +133,7 @@ class DecodeGraphs:
         pool: SlotKV,
         head: nn.Module,
         max_rows: int,
-        capture: bool | None = None,
+        capture: bool | CpuCapture | None = None,
         compile: bool = False,
         span_quantum: int = SPAN_QUANTUM,
     ) -> None:
@@ -136,7 +141,11 @@ class DecodeGraphs:
         self.head = head  # hidden [B, H] -> logits [B, V] (`llm_decoder`)
         self.buckets = batch_buckets(max_rows)
         self.span_quantum = span_quantum
-        self.capture = pool.device.type == "cuda" if capture is None else capture
+        # a CPU stand-in for the capture (`accel.tape.TapeCapture`: each step recorded once, replayed)
+        self.cpu_capture = None if isinstance(capture, bool | None) else capture
+        if self.cpu_capture is not None and compile:
+            raise ValueError("a compiled step cannot be recorded on a CPU")
+        self.capture = pool.device.type == "cuda" if capture is None else capture is True
         if self.capture and pool.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA pool")
         self.scratch = pool.acquire()  # the pad rows' row: owned by no utterance
@@ -290,6 +299,8 @@ class DecodeGraphs:
             self.prompt_replays += 1
         if step.graph is not None:
             step.graph.replay()
+        elif step.recorded is not None:
+            step.logits = step.recorded()[0]
         else:
             step.logits = self._forward(step)
 
@@ -316,6 +327,8 @@ class DecodeGraphs:
             self._capture(step)
         elif self.compiled:  # compile now (warm-up), not in the first call's step
             self._timed_compile(step)
+        elif self.cpu_capture is not None:
+            self._record(step)
         self._steps[(rows, span)] = step
         return step
 
@@ -338,6 +351,8 @@ class DecodeGraphs:
             )
         if self.capture:
             self._capture(step)
+        elif self.cpu_capture is not None:
+            self._record(step)
         self._prompts[(rows, tokens, span)] = step
         return step
 
@@ -366,6 +381,12 @@ class DecodeGraphs:
         self._forward(step)
         if step.compiled:
             logger.info("decode step of %d rows compiled in %.1f s", step.rows, time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def _record(self, step: StaticStep) -> None:
+        """The CPU stand-in of `_capture` (the pad inputs write only the scratch row)."""
+        assert self.cpu_capture is not None
+        step.recorded = self.cpu_capture(lambda: (self._forward(step),))
 
     @torch.inference_mode()
     def _capture(self, step: StaticStep) -> None:

@@ -35,7 +35,8 @@ from torch import Tensor
 
 from voicertc.audio.decode import Clip
 from voicertc.backends.cosyvoice.accel.apply import apply_accel, vllm_export_dir
-from voicertc.backends.cosyvoice.accel.captured import CudaCapture, run_eagerly
+from voicertc.backends.cosyvoice.accel.captured import Capture, CudaCapture, run_eagerly
+from voicertc.backends.cosyvoice.accel.tape import TapeCapture
 from voicertc.backends.cosyvoice.flow.flow import FlowStreamState, StreamSolve
 from voicertc.backends.cosyvoice.flow.unet import GROW_FRAMES
 from voicertc.backends.cosyvoice.hift.batch import vocode_batch, vocode_batch_parts
@@ -197,24 +198,29 @@ class CosyVoice2Backend:
     def _captured_steps(self) -> CapturedStages | None:
         """`cuda_graphs`: the flow estimator and HiFT's network as captured static-shape steps (the
         torch estimator only: an ONNX / TensorRT runner keeps its place); `static_steps`: the same path
-        without capture (CPU)."""
+        on a CPU, each step recorded once and replayed from its ops as a CUDA graph replays
+        (`accel.tape`; a compiled step, which cannot be recorded, runs at each call)."""
         if not (self.options.cuda_graphs or self.options.static_steps):
             return None
         cuda = self.options.cuda_graphs and self.model.device.type == "cuda"
+        capture: Capture = CudaCapture() if cuda else run_eagerly
+        if not cuda and not self.options.compile_steps:
+            capture = TapeCapture()
         return install_captured_steps(
             self.model,
             self.options.graph_rows,
             self.options.graph_memory_mb,
-            CudaCapture() if cuda else run_eagerly,
+            capture,
             compile=self.options.compile_steps,
         )
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """`cuda_graphs`: the LLM's decode steps captured (CUDA); `static_decode`: the same static steps
-        uncaptured (CPU tests: the device sampling and decoding ahead run as on the GPU)."""
+        recorded and replayed from their ops on a CPU (`accel.tape`; CPU tests: the device sampling and
+        decoding ahead run as on the GPU, the steps' Python not re-run)."""
         head, rows = self.model.llm.llm_decoder, self.options.graph_rows
         if self.options.static_decode and not self.options.cuda_graphs:
-            return DecodeGraphs(self.kv, head, rows, capture=False)
+            return DecodeGraphs(self.kv, head, rows, capture=TapeCapture())
         if not self.options.cuda_graphs:
             return None
         if self.model.device.type != "cuda":

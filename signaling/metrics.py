@@ -166,8 +166,9 @@ class Metrics:
                 "voicertc_engine_captured_steps_total",
                 "counter",
                 "Captured static-shape steps per stage: replays, eager runs (a shape outside every bucket "
-                "or past engine.graph_memory_mb), captures, and buckets captured uncompiled (engine.compile: "
-                "one that would have compiled again after warm-up).",
+                "or past engine.graph_memory_mb), captures, buckets captured uncompiled (engine.compile: "
+                "one that would have compiled again after warm-up), and decode steps launched_ahead (queued "
+                "before the step before was read).",
                 [({"stage": stage, "outcome": kind}, n)
                  for stage, counts in sorted(stats.captured.items()) for kind, n in sorted(counts.items())],
             )  # fmt: skip

@@ -40,9 +40,14 @@ def model(tiny_model_dir, golden_dir, tmp_path_factory) -> CosyVoice2Model:
     return load_speaking_model(model_dir)
 
 
-def _run(backend: CosyVoice2Backend, jobs: list[tuple[str, str, str]], default_voice: str = GOLDEN_VOICE):
+def _run(
+    backend: CosyVoice2Backend,
+    jobs: list[tuple[str, str, str]],
+    default_voice: str = GOLDEN_VOICE,
+    engine: EngineWorker | None = None,
+):
     """Say each (utterance id, voice, text) on its own sink; wait for every terminal event."""
-    engine = EngineWorker(backend, default_voice=default_voice)
+    engine = engine or EngineWorker(backend, default_voice=default_voice)
     log, sinks = EventLog(), {}
     engine.start()
     try:
@@ -191,19 +196,22 @@ def test_static_shape_flow_and_vocoder_steps_speak_as_eager(model, golden_dir):
 
 
 def test_decoding_ahead_speaks_what_step_by_step_decoding_speaks(model, golden_dir):
-    """The decode graphs' path (`static_decode`: uncaptured on CPU): three utterances at once, each step
-    launched before the one before is read (`llm.ahead`) or read at once: the same tokens, so the same
-    audio, sample for sample."""
+    """The decode graphs' path (`static_decode`: recorded and replayed on CPU, `accel.tape`): three
+    utterances at once, each step launched before the one before is read (`llm.ahead`) or read at once:
+    the same tokens, so the same audio, sample for sample; /metrics counts the steps launched ahead."""
     jobs = [("a", GOLDEN_VOICE, LONG_TEXT), ("b", GOLDEN_VOICE, LONG_TEXT), ("c", SFT_VOICE, LONG_TEXT)]
     ahead = make_backend(model, golden_dir, max_segment_tokens=40, static_decode=True, graph_rows=4)
     stepped = make_backend(
         model, golden_dir, max_segment_tokens=40, static_decode=True, graph_rows=4, decode_ahead=False
     )
-    assert ahead.graphs is not None and ahead.graphs.capture is False
-    _, sinks_ahead = _run(ahead, jobs)
-    _, sinks_stepped = _run(stepped, jobs)
+    assert ahead.graphs is not None and ahead.graphs.cpu_capture is not None
+    engines = [EngineWorker(backend, default_voice=GOLDEN_VOICE) for backend in (ahead, stepped)]
+    _, sinks_ahead = _run(ahead, jobs, engine=engines[0])
+    _, sinks_stepped = _run(stepped, jobs, engine=engines[1])
     assert ahead.stats["decode_ahead"] >= 6 and stepped.stats["decode_ahead"] == 0
     assert ahead.stats["decode_rows"] == stepped.stats["decode_rows"]  # no step taken or counted twice
+    counted = [e.batch_stats.captured["decode"]["launched_ahead"] for e in engines]  # as /metrics reads
+    assert counted == [ahead.stats["decode_ahead"], 0]
     for uid, _, _ in jobs:
         a, b = sinks_ahead[uid].samples(uid), sinks_stepped[uid].samples(uid)
         assert a.size == b.size == 40 * TOKEN_SAMPLES

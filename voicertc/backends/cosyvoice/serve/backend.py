@@ -429,7 +429,8 @@ class CosyVoice2Backend:
         if self.graphs is not None:
             g = self.graphs
             counts["decode"] = {
-                "replays": g.replays, "eager": 0, "captures": g.captures, "uncompiled": g.uncompiled
+                "replays": g.replays, "eager": 0, "captures": g.captures, "uncompiled": g.uncompiled,
+                "launched_ahead": self.stats["decode_ahead"],  # launched before the step before was read
             }  # fmt: skip
             counts["prompt"] = {
                 "replays": g.prompt_replays, "eager": g.prompt_eager, "captures": g.prompt_captures,

@@ -274,14 +274,18 @@ class _GraphBatch:
             self.new_tails[slot] = padded.gather(2, index)
         return padded
 
-    def attend(self, slot: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        # q, k, v: [B, H, T, Dh] -> [B, H, T, Dh] over [cached ++ new] keys; plain softmax attention
+    def attend(self, slot: int, q: Tensor, k: Tensor, v: Tensor, stacked_kv: Tensor | None = None) -> Tensor:
+        # q, k, v: [B, H, T, Dh] -> [B, H, T, Dh] over [cached ++ new] keys; plain softmax attention;
+        # stacked_kv: k and v as one [2, B, H, T, Dh] view where one projection made both (`flow.qkv`)
         self.new_kv[slot] = (k, v)
         if self.kv_room:  # the new frames written into the room the input keeps for them: no join
             keys, values = self.kv_cache[slot, 0], self.kv_cache[slot, 1]
             cached = keys.shape[2] - k.shape[2]
-            keys.narrow(2, cached, k.shape[2]).copy_(k)
-            values.narrow(2, cached, v.shape[2]).copy_(v)
+            if stacked_kv is not None:  # k and v side by side in the stacked projection: one copy
+                self.kv_cache[slot].narrow(3, cached, k.shape[2]).copy_(stacked_kv)
+            else:
+                keys.narrow(2, cached, k.shape[2]).copy_(k)
+                values.narrow(2, cached, v.shape[2]).copy_(v)
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.attn_bias.to(q.dtype))
         keys = torch.cat([self.kv_cache[slot, 0], k], dim=2)
         values = torch.cat([self.kv_cache[slot, 1], v], dim=2)

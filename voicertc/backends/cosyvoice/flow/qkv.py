@@ -23,6 +23,21 @@ def project_qkv(attn: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return q, k, v
 
 
+def project_heads(
+    attn: nn.Module, x: Tensor, heads: int, head_dim: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """q, k, v of `x` [B, T, C] as [B, H, T, Dh] views, and k, v as one [2, B, H, T, Dh] view of the same
+    memory when `attn` is fused (None otherwise): the captured step writes both into its cache in one copy."""
+    b, t = x.shape[0], x.shape[1]
+    weight = attn._buffers.get("qkv_weight")
+    if weight is None:
+        q, k, v = (p.view(b, t, heads, head_dim).transpose(1, 2) for p in project_qkv(attn, x))
+        return q, k, v, None
+    stacked = F.linear(x, weight, attn._buffers.get("qkv_bias")).view(b, t, 3, heads, head_dim)
+    qkv = stacked.permute(2, 0, 3, 1, 4)  # [3, B, H, T, Dh]
+    return qkv[0], qkv[1], qkv[2], qkv[1:]
+
+
 def _linear(module: nn.Module, name: str) -> nn.Linear:
     layer = getattr(module, name)
     if not isinstance(layer, nn.Linear):

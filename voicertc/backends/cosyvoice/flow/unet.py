@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from voicertc.backends.cosyvoice.flow.config import EstimatorConfig
 from voicertc.backends.cosyvoice.flow.encoder import chunk_attention_mask
 from voicertc.backends.cosyvoice.flow.kv import KVCache, two_segment_sdpa
-from voicertc.backends.cosyvoice.flow.qkv import init_qkv, project_qkv
+from voicertc.backends.cosyvoice.flow.qkv import init_qkv, project_heads
 from voicertc.engine.parts import Parts, run_to_end
 
 EstimatorParts = Parts[Tensor]  # one estimator forward, a part per next(); returns the velocity
@@ -210,8 +210,9 @@ class _Batch:
             self.masks[start] = chunk_attention_mask(start, query_len, self.chunk_frames, device)
         return self.masks[start]
 
-    def attend(self, slot: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, slot: int, q: Tensor, k: Tensor, v: Tensor, stacked_kv: Tensor | None = None) -> Tensor:
         # q, k, v: [B, H, Tq, Dh] for the new frames -> [B, H, Tq, Dh] over cached + new keys
+        # (`stacked_kv`, k and v stacked, is for the captured path's one write)
         # (the new keys are written into the group's buffer; attention reads views of it and of a
         # forked cache's read-only prompt prefix: no copies)
         outs = []
@@ -281,13 +282,10 @@ class Attention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Dropout(0.0)])
         init_qkv(self)  # q/k/v as one matmul once `fuse_qkv` stacked them (the captured path)
 
-    def _split(self, x: Tensor) -> Tensor:
-        return x.view(x.shape[0], x.shape[1], self.heads, self.head_dim).transpose(1, 2)
-
     def forward(self, x: Tensor, batch: _Batch) -> Tensor:
         # x: [B, T, C] -> [B, T, C]
-        q, k, v = (self._split(p) for p in project_qkv(self, x))
-        out = batch.attend(self.slot, q, k, v)
+        q, k, v, stacked_kv = project_heads(self, x, self.heads, self.head_dim)
+        out = batch.attend(self.slot, q, k, v, stacked_kv)
         return self.to_out[0](out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 
 

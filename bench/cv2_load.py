@@ -229,7 +229,10 @@ def main() -> None:
         # memory admission sized for these utterances: --max-tokens of own speech (the prompt is shared)
         streaming_context_s=max(1.0, args.max_tokens / 25),
     )
-    streamer = ThreadedSpeechLlm(model.llm) if args.llm == "thread" else None
+    streamer = None
+    if args.llm == "thread":  # with --cuda-graphs: its own decode graphs and CUDA stream (create_backend's)
+        graphs = args.cuda_graphs and model.device.type == "cuda"
+        streamer = ThreadedSpeechLlm(model.llm, slots=max(args.concurrency), graphs=graphs)
     if args.version == 3:
         if streamer is not None:
             parser.error("--llm thread is CosyVoice2's only")

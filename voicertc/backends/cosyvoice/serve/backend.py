@@ -1170,8 +1170,9 @@ def register_voice_command(
 
 def llm_streamer(model: CosyVoice2Model, engine: EngineConfig) -> SpeechTokenStreamer | None:
     """`[engine] llm`: None (torch, on the engine thread), our LLM on its own thread, or vLLM (CUDA)."""
-    if engine.llm == "thread":
-        return ThreadedSpeechLlm(model.llm)
+    if engine.llm == "thread":  # with cuda_graphs: its own decode graphs and CUDA stream, decoding ahead
+        graphs = engine.cuda_graphs and model.device.type == "cuda"
+        return ThreadedSpeechLlm(model.llm, slots=engine.max_batch, graphs=graphs)
     if engine.llm == "vllm":
         if model.device.type != "cuda":
             raise ConfigError("engine.llm: vllm needs a CUDA device (engine.device)")

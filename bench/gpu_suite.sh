@@ -20,7 +20,8 @@
 # then compiled, rows 1 16 32), decode_ahead (the same uncompiled, read at once vs launched ahead),
 # cv2_load_profiled (the largest LEVELS_SMALL level under torch.profiler),
 # cv2_stream_stepped / cv2_load_stepped (`--no-decode-ahead`: every decode
-# step read before the next is launched, the path before `llm.ahead`), cv2_stream_compiled,
+# step read before the next is launched, the path before `llm.ahead`), cv2_load_llm_thread (LEVELS_SMALL
+# with `--llm thread`: the LLM on its own thread, decode graphs and stream), cv2_stream_compiled,
 # cv2_load_compiled (LEVELS_SMALL), cv2_load_expandable (cv2_load with
 # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True).
 # cv2_load writes its JSON only at its end, so its levels are split in two steps and the large ones go
@@ -287,6 +288,10 @@ if [ -n "${STEPS:-}" ]; then  # compiling takes minutes: only when asked for by 
         --no-decode-ahead
     step cv2_load_stepped "$T_LOAD" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD[@]}" \
         --concurrency "${LEVELS_SMALL[@]}" --no-decode-ahead
+    # the LLM on its own thread, decode graphs and CUDA stream (`[engine] llm = "thread"` + cuda_graphs):
+    # its decode beside the engine's flow and vocoder replays instead of between them
+    step cv2_load_llm_thread "$T_LOAD" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD[@]}" \
+        --concurrency "${LEVELS_SMALL[@]}" --llm thread
     step cv2_stream_compiled "$T_COMPILED" "$PYTHON" -m bench.cv2_stream --model-dir "$MODEL_DIR" "${STREAM[@]}" --compile
     step cv2_load_compiled "$T_COMPILED" "$PYTHON" -m bench.cv2_load --model-dir "$MODEL_DIR" "${LOAD[@]}" \
         --concurrency "${LEVELS_SMALL[@]}" --compile

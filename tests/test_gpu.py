@@ -91,6 +91,52 @@ def test_decoding_ahead_on_cuda_draws_the_step_by_step_tokens(tiny_model_dir):
     assert ahead_graphs.replays > 0 and behind > 0
 
 
+def test_the_llm_streamer_on_its_own_stream_draws_the_engine_graphs_tokens(tiny_model_dir):
+    """`llm = "thread"` with graphs: captured on the streamer's thread, replayed on its own CUDA stream,
+    decoding ahead, the prompt embeddings made on this thread's stream: each request's tokens are those
+    of the engine's decode graphs read step by step."""
+    import threading
+
+    from voicertc.backends.cosyvoice.llm.streamer import ThreadedSpeechLlm
+
+    llm = load_llm(tiny_model_dir, "cuda")
+    texts = [[5, 9, 2, 4], [7, 1, 3, 8, 4, 6], [3, 3, 1]]
+    pool = SlotKV(llm.llm.model.model, slots=8, capacity=256)
+    graphs = DecodeGraphs(pool, llm.llm_decoder, max_rows=4)
+    expected, lengths = [], []
+    for i, text in enumerate(texts):
+        ruled = llm.prefill(text, generator=torch.Generator("cuda").manual_seed(i))  # min_len, max_len
+        lengths.append((ruled.min_len, ruled.max_len))
+        session = LlmSession(
+            cache=pool.acquire(), pending=llm.lm_input(text), min_len=ruled.min_len,
+            max_len=ruled.max_len, sampling="ras", generator=torch.Generator("cuda").manual_seed(i),
+        )  # fmt: skip
+        expected.append(decode_stepped(llm, graphs, [session])[0])
+    streamer = ThreadedSpeechLlm(llm, slots=4, graphs=True)
+    got: dict[int, list[object]] = {i: [] for i in range(len(texts))}
+    ended = threading.Semaphore(0)
+
+    def sink(i: int):
+        def push(item: object) -> None:
+            got[i].append(item)
+            if not isinstance(item, int):
+                ended.release()
+
+        return push
+
+    streamer.start()
+    try:
+        assert streamer.graphs is not None and streamer.graphs.captures > 0
+        for i, (text, (min_len, max_len)) in enumerate(zip(texts, lengths, strict=True)):
+            embeds = llm.lm_input(text)[0] * 1.0  # made on this thread's stream, just now
+            streamer.submit(f"r{i}", embeds, min_len, max_len, sink(i), seed=i)
+        for _ in texts:
+            assert ended.acquire(timeout=120)
+    finally:
+        streamer.stop()
+    assert [got[i] for i in range(len(texts))] == [[*tokens, None] for tokens in expected]
+
+
 def test_prompt_step_replays_match_feeding_each_prompt(tiny_model_dir):
     """Prompts of three rows (different prefixes and lengths) as one captured prompt step give each
     row's eager last-position logits, and decoding on from them stays exact."""

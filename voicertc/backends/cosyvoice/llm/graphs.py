@@ -27,6 +27,7 @@ tests check).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -49,7 +50,9 @@ CpuCapture = Callable[[Callable[[], tuple[Tensor, ...]]], Callable[[], tuple[Ten
 # thread's CUDA work during a capture (the threaded LLM's decode) neither invalidates it nor fails in
 # that thread ("global", torch's default, forbids it process-wide)
 CAPTURE_ERROR_MODE = "thread_local"
-_capture_streams: dict[torch.device, torch.cuda.Stream] = {}  # one side stream a device for every capture
+# one side stream per device and thread for every capture (the LLM streamer's thread captures its own
+# decode graphs while the engine thread may capture a flow bucket)
+_capture_streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
 
 
 @contextmanager
@@ -61,7 +64,8 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
     driver, each cudaMalloc / cudaHostAlloc slow and the frees synchronising the device. The graphs
     here share a private pool and the warm-up sizes the memory budget, so nothing is flushed."""
     device = torch.device("cuda", torch.cuda.current_device())
-    stream = _capture_streams.setdefault(device, torch.cuda.Stream(device))
+    key = (device, threading.get_ident())
+    stream = _capture_streams.get(key) or _capture_streams.setdefault(key, torch.cuda.Stream(device))
     torch.cuda.synchronize()
     with torch.cuda.stream(stream):
         graph.capture_begin(pool=pool, capture_error_mode=CAPTURE_ERROR_MODE)

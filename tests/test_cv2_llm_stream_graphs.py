@@ -104,6 +104,7 @@ def test_the_streamer_on_decode_graphs_draws_the_engine_graphs_tokens(model):
     assert streamer.graphs is None or streamer.graphs.replays > 0
     assert streamer.steps < sum(len(t) for t in expected)  # batched: the requests shared steps
     assert streamer.pool.in_use == 0  # every row and the graphs' scratch row given back at stop
+    assert streamer.rows_in_use == 0
 
 
 def test_a_cancel_with_a_step_in_flight_frees_its_row_once_read_and_the_others_go_on(model):

@@ -213,7 +213,8 @@ class ThreadedSpeechLlm:
     @property
     def rows_in_use(self) -> int:
         """Pool rows held for requests (the graphs' scratch row left out; a snapshot)."""
-        return self.pool.in_use - (self.graphs is not None)
+        scratch = self.graphs is not None and not self.graphs.scratch.released
+        return self.pool.in_use - scratch
 
     def _drive(self) -> None:
         try:

@@ -21,6 +21,7 @@ from voicertc.audio.decode import Clip  # noqa: E402
 from voicertc.backends.cosyvoice.load import load_v2 as load  # noqa: E402
 from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model  # noqa: E402
 from voicertc.backends.cosyvoice.serve.backend import BackendOptions, CosyVoice2Backend  # noqa: E402
+from voicertc.backends.cosyvoice.serve.token2wav import Token2WavStream  # noqa: E402
 from voicertc.backends.cosyvoice.voice.voices import Voice, voice_from_features  # noqa: E402
 
 GOLDEN_VOICE = "golden"
@@ -67,3 +68,16 @@ def tone_clip(seconds: float, pitch_hz: float) -> Clip:
     t = np.arange(int(seconds * rate)) / rate
     wav = 0.3 * np.sin(2 * np.pi * pitch_hz * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t))
     return Clip(samples=wav.astype(np.float32), sample_rate_hz=rate)
+
+
+def record_speech_tokens(monkeypatch) -> dict[int, list[int]]:
+    """Every speech token a token2wav stream takes, by stream (filled as the engine speaks)."""
+    seen: dict[int, list[int]] = {}
+    original = Token2WavStream.add_tokens
+
+    def add_tokens(self, tokens):
+        seen.setdefault(id(self), []).extend(int(t) for t in tokens)
+        return original(self, tokens)
+
+    monkeypatch.setattr(Token2WavStream, "add_tokens", add_tokens)
+    return seen

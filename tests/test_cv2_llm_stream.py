@@ -14,12 +14,17 @@ import time
 import numpy as np
 import pytest
 import torch
-from cv2_engine_helpers import GOLDEN_VOICE, build_speaking_model_dir, golden_voice, load_speaking_model
+from cv2_engine_helpers import (
+    GOLDEN_VOICE,
+    build_speaking_model_dir,
+    golden_voice,
+    load_speaking_model,
+    record_speech_tokens,
+)
 from engine_helpers import EventLog, RecordingSink
 
 from voicertc.backends.cosyvoice.llm.streamer import ThreadedSpeechLlm
 from voicertc.backends.cosyvoice.serve.backend import BackendOptions, CosyVoice2Backend
-from voicertc.backends.cosyvoice.serve.token2wav import Token2WavStream
 from voicertc.engine import Cancelled, Done, Failed, FirstAudio
 from voicertc.engine.worker import EngineWorker
 
@@ -97,16 +102,10 @@ def test_the_streamer_draws_the_tokens_of_the_engine_thread(model):
 
 def test_an_engine_fed_by_the_streamer_says_what_the_engine_thread_says(model, golden_dir, monkeypatch):
     texts = {"a": TEXT, "b": "Seven bright lamps lit the harbour.", "c": "Bread."}
-    seen: dict[int, list[int]] = {}
-    original = Token2WavStream.add_tokens
-
-    def add_tokens(self, tokens):
-        seen.setdefault(id(self), []).extend(int(t) for t in tokens)
-        return original(self, tokens)
-
-    monkeypatch.setattr(Token2WavStream, "add_tokens", add_tokens)
+    seen = record_speech_tokens(monkeypatch)
     local_log, local_sinks = _say(_backend(model, golden_dir), texts)
-    local_tokens, seen = sorted(seen.values()), {}
+    local_tokens = sorted(seen.values())
+    seen.clear()
     streamer = ThreadedSpeechLlm(model.llm)
     backend = _backend(model, golden_dir, streamer)
     stream_log, stream_sinks = _say(backend, texts)

@@ -11,7 +11,13 @@ import threading
 
 import pytest
 import torch
-from cv2_engine_helpers import GOLDEN_VOICE, build_speaking_model_dir, golden_voice, load_speaking_model
+from cv2_engine_helpers import (
+    GOLDEN_VOICE,
+    build_speaking_model_dir,
+    golden_voice,
+    load_speaking_model,
+    record_speech_tokens,
+)
 from decode_helpers import decode_stepped
 from engine_helpers import EventLog, RecordingSink
 
@@ -21,7 +27,6 @@ from voicertc.backends.cosyvoice.llm.kv import SlotKV
 from voicertc.backends.cosyvoice.llm.qwen2lm import LlmSession
 from voicertc.backends.cosyvoice.llm.streamer import ThreadedSpeechLlm
 from voicertc.backends.cosyvoice.serve.backend import BackendOptions, CosyVoice2Backend
-from voicertc.backends.cosyvoice.serve.token2wav import Token2WavStream
 from voicertc.engine import Done, FirstAudio
 from voicertc.engine.worker import EngineWorker
 
@@ -141,14 +146,7 @@ def test_a_cancel_with_a_step_in_flight_frees_its_row_once_read_and_the_others_g
 
 def test_an_engine_fed_by_the_graphs_streamer_speaks_the_engine_graphs_tokens(model, golden_dir, monkeypatch):
     texts = {"a": TEXTS[0], "b": TEXTS[1]}
-    seen: dict[int, list[int]] = {}
-    original = Token2WavStream.add_tokens
-
-    def add_tokens(self, tokens):
-        seen.setdefault(id(self), []).extend(int(t) for t in tokens)
-        return original(self, tokens)
-
-    monkeypatch.setattr(Token2WavStream, "add_tokens", add_tokens)
+    seen = record_speech_tokens(monkeypatch)
     runs = []
     for streamer in (None, ThreadedSpeechLlm(model.llm, slots=4, graphs=TapeCapture())):
         decodes_here = streamer is None  # the engine's own decode graphs

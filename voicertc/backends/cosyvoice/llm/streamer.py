@@ -26,7 +26,7 @@ import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -234,13 +234,8 @@ class ThreadedSpeechLlm:
             if self.graphs is not None:
                 self.graphs.close()
 
-    @contextlib.contextmanager
-    def _on_stream(self) -> Iterator[None]:
-        if self._stream is None:
-            yield
-            return
-        with torch.cuda.stream(self._stream):
-            yield
+    def _on_stream(self) -> contextlib.AbstractContextManager[object]:
+        return contextlib.nullcontext() if self._stream is None else torch.cuda.stream(self._stream)
 
     def _warm(self) -> None:
         """The decode graphs over this pool, every bucket captured now (the streamer's thread)."""

@@ -19,6 +19,7 @@ from cv2_engine_helpers import (
 )
 from engine_helpers import EventLog, RecordingSink
 
+from voicertc.backends.cosyvoice.accel.tape import no_host_syncs
 from voicertc.backends.cosyvoice.load.v2 import CosyVoice2Model
 from voicertc.backends.cosyvoice.serve.backend import CosyVoice2Backend
 from voicertc.engine import Cancelled, ChunkSchedule, Done, Failed, FirstAudio
@@ -59,6 +60,16 @@ def _run(
     finally:
         engine.stop()
     return log, sinks
+
+
+def _without_host_syncs(unit):
+    """A backend unit run under `accel.tape.no_host_syncs` (a sync fails the utterance, then the test)."""
+
+    def guarded(self, *args, **kwargs):
+        with no_host_syncs():
+            return unit(self, *args, **kwargs)
+
+    return guarded
 
 
 def _track_streams(model, monkeypatch) -> list:
@@ -170,9 +181,13 @@ def test_batched_equals_unbatched(model, golden_dir):
     assert not np.allclose(sinks_b["a"].samples("a"), sinks_b["b"].samples("b"))  # own RNG per utterance
 
 
-def test_static_shape_flow_and_vocoder_steps_speak_as_eager(model, golden_dir):
-    """The path `[engine] cuda_graphs` captures on CUDA, run uncaptured on CPU: same audio as eager."""
+def test_static_shape_flow_and_vocoder_steps_speak_as_eager(model, golden_dir, monkeypatch):
+    """The path `[engine] cuda_graphs` captures on CUDA, recorded and replayed on CPU (`accel.tape`): same
+    audio as eager, and its flow and vocoder units only queue work (no op that syncs the host)."""
     jobs = [("a", GOLDEN_VOICE, LONG_TEXT), ("b", GOLDEN_VOICE, LONG_TEXT), ("c", SFT_VOICE, LONG_TEXT)]
+    units = ("_run_flow", "_continue_flow", "_run_vocode", "_continue_vocode")
+    for name in units:
+        monkeypatch.setattr(CosyVoice2Backend, name, _without_host_syncs(getattr(CosyVoice2Backend, name)))
     static = make_backend(model, golden_dir, max_segment_tokens=100, static_steps=True, graph_rows=4)
     captured = static.captured
     assert captured is not None and model.flow.decoder.estimator_runner is captured.flow
@@ -182,6 +197,7 @@ def test_static_shape_flow_and_vocoder_steps_speak_as_eager(model, golden_dir):
     assert counts_before["flow"]["replays"] == 0 and set(counts_before) == {"flow", "flow_encoder", "vocoder"}
     assert model.flow.decoder.estimator_runner is None and model.hift.decode_runner is None
     assert model.flow.encoder_runner is None
+    monkeypatch.undo()
     _, sinks_eager = _run(make_backend(model, golden_dir, max_segment_tokens=100), jobs)
     stats = captured.stats()
     assert stats["flow"].replays > 0 and stats["vocoder"].replays > 0

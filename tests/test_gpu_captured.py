@@ -36,6 +36,26 @@ pytestmark = pytest.mark.gpu
 HOPS = [25, 50]
 
 
+def test_a_failed_capture_gives_the_allocator_back_and_the_next_one_replays():
+    """A step that syncs the host cannot be captured: the error is the step's own, the allocator stops
+    routing into the failed capture's pool, and the next capture (a new pool) replays correctly."""
+    capture = CudaCapture()
+    x = torch.ones(4, device="cuda")
+
+    def syncs():
+        return (x * float(x.sum().item()),)
+
+    with pytest.raises(RuntimeError):
+        capture(syncs)
+    replay = capture(lambda: (x * 2.0,))
+    x.fill_(3.0)
+    assert replay()[0].tolist() == [6.0] * 4
+    freed = torch.empty(1 << 20, device="cuda")  # ordinary allocations free and are reused as before
+    del freed
+    again = torch.empty(1 << 20, device="cuda")
+    assert again.numel() == 1 << 20
+
+
 def test_flow_replays_equal_the_eager_stream_on_cuda(tiny_model_dir, tts_golden):
     flow = CausalFlow.from_model_dir(tiny_model_dir).cuda()
     golden = tts_golden  # CPU tensors: the flow moves its inputs to its device

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from voicertc.backends.cosyvoice.accel.compiled import call_sealed, compiled_step
-from voicertc.backends.cosyvoice.llm.graphs import capturing
+from voicertc.backends.cosyvoice.llm.graphs import capture_stream, capturing
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class CudaCapture:
                 return self._capture(step)
 
     def _capture(self, step: Step) -> Step:
-        side = torch.cuda.Stream()
+        side = capture_stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up: lazy inits and allocator growth happen outside the capture
@@ -113,8 +113,12 @@ class CudaCapture:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with capturing(graph, self.pool):
-            outputs = step()
+        try:
+            with capturing(graph, self.pool):
+                outputs = step()
+        except Exception:
+            self.pool = None  # the failed capture's pool is not reused (the next capture takes a new one)
+            raise
 
         def replay() -> Outputs:
             graph.replay()

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from voicertc.backends.cosyvoice.accel.staging import to_device
 from voicertc.backends.cosyvoice.flow.cfm import CausalConditionalCFM, EulerSolve, fixed_noise
 from voicertc.backends.cosyvoice.flow.config import NOISE_FRAMES, YAML_NAME, FlowConfig
 from voicertc.backends.cosyvoice.flow.encoder import EncoderCache, UpsampleConformerEncoder, rows_line_up
@@ -312,7 +313,10 @@ class CausalFlow(nn.Module):
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.vocab_size):
             bad = tokens[(tokens < 0) | (tokens >= self.cfg.vocab_size)][0]
             raise ValueError(f"{name}: speech token id {int(bad)} outside [0, {self.cfg.vocab_size})")
-        return tokens.to(self.input_embedding.weight.device, torch.long)
+        device = self.input_embedding.weight.device
+        if tokens.device.type == "cpu":  # pinned: a chunk's ids do not wait for the work queued before
+            return to_device(tokens.to(torch.long), device)
+        return tokens.to(device, torch.long)
 
     def _new_state(self, prompt_tokens: Tensor, prompt_feat: Tensor, embedding: Tensor) -> FlowStreamState:
         prompt_tokens = self._check_tokens(prompt_tokens, "prompt_tokens")

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from voicertc.backends.cosyvoice.accel.staging import to_device
 from voicertc.backends.cosyvoice.hift.source import SineParams
 
 DEFAULT_NOISE_SEED = 1986  # our own buffers (the official values depend on the RNG state at construction)
@@ -85,7 +86,7 @@ class NoiseBuffers:
                 generator = torch.Generator().manual_seed(self.seed + 1 + index)
                 host = torch.rand(1, NOISE_BLOCK_SAMPLES, self.harmonics, generator=generator)
                 self.drawn_blocks += 1
-            block = host.to(device)
+            block = to_device(host, device)  # pinned: no wait for the work queued before
             self._blocks[key] = block
             while len(self._blocks) > CACHED_BLOCKS:
                 self._blocks.popitem(last=False)

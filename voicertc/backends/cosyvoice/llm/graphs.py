@@ -50,9 +50,24 @@ CpuCapture = Callable[[Callable[[], tuple[Tensor, ...]]], Callable[[], tuple[Ten
 # thread's CUDA work during a capture (the threaded LLM's decode) neither invalidates it nor fails in
 # that thread ("global", torch's default, forbids it process-wide)
 CAPTURE_ERROR_MODE = "thread_local"
-# one side stream per device and thread for every capture (the LLM streamer's thread captures its own
-# decode graphs while the engine thread may capture a flow bucket)
+# one side stream per device and thread for every capture and its warm-up runs: `torch.cuda.Stream()`
+# hands out a pool of 32 streams in turn, so a stream asked for at every capture would soon be the
+# LLM streamer's or the engine lane's own, and one thread's capture would swallow the other's work
 _capture_streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
+# one capture at a time in the process: a capture starts with a device-wide sync, which would break
+# another thread's capture in progress
+_capture_lock = threading.Lock()
+_abandoned: list[torch.cuda.CUDAGraph] = []  # failed captures, kept alive (the allocator may point at them)
+
+
+def capture_stream() -> torch.cuda.Stream:
+    """The calling thread's side stream on the current device (captures and their warm-up runs)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, threading.get_ident())
+    stream = _capture_streams.get(key)
+    if stream is None:
+        stream = _capture_streams[key] = torch.cuda.Stream(device)
+    return stream
 
 
 @contextmanager
@@ -62,17 +77,41 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
     caches before every capture (memory for the graph); a bucket captured while calls speak (a history
     past the warmed keys, a decode pool that grew) then sends every later allocation back to the
     driver, each cudaMalloc / cudaHostAlloc slow and the frees synchronising the device. The graphs
-    here share a private pool and the warm-up sizes the memory budget, so nothing is flushed."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    key = (device, threading.get_ident())
-    stream = _capture_streams.get(key) or _capture_streams.setdefault(key, torch.cuda.Stream(device))
-    torch.cuda.synchronize()
-    with torch.cuda.stream(stream):
-        graph.capture_begin(pool=pool, capture_error_mode=CAPTURE_ERROR_MODE)
+    here share a private pool and the warm-up sizes the memory budget, so nothing is flushed. A capture
+    that fails gives the allocator its pool back (`_abandon`) and raises the block's own error; the
+    caller takes a new pool for the next capture."""
+    stream = capture_stream()
+    with _capture_lock:
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool, capture_error_mode=CAPTURE_ERROR_MODE)
+            try:
+                yield
+            except BaseException:
+                _abandon(graph)
+                raise
+            try:
+                graph.capture_end()
+            except BaseException:
+                _abandon(graph, ended=True)
+                raise
+
+
+def _abandon(graph: torch.cuda.CUDAGraph, ended: bool = False) -> None:
+    """End a failed capture: `capture_end` raises before it ends the allocator's routing of the stream's
+    allocations into the graph's pool when the capture was invalidated (then freed blocks would never
+    be reused again, and the pool could not be captured into again)."""
+    if not ended:
         try:
-            yield
-        finally:
             graph.capture_end()
+            return  # the capture itself ended cleanly
+        except RuntimeError:
+            pass
+    try:
+        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), graph.pool())
+    except RuntimeError:  # it had ended it already
+        pass
+    _abandoned.append(graph)
 
 
 def batch_buckets(max_rows: int) -> tuple[int, ...]:
@@ -395,7 +434,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture(self, step: StaticStep) -> None:
         """Warm up on a side stream (the pad inputs write only the scratch row), then capture."""
-        side = torch.cuda.Stream()
+        side = capture_stream()
         side.wait_stream(torch.cuda.current_stream())
         start = time.perf_counter()
         with torch.cuda.stream(side):  # (a compiled step compiles and autotunes in the first call)
@@ -404,8 +443,12 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(side)
         warm_s = time.perf_counter() - start
         graph = torch.cuda.CUDAGraph()
-        with capturing(graph, self._mempool):
-            step.logits = self._forward(step)
+        try:
+            with capturing(graph, self._mempool):
+                step.logits = self._forward(step)
+        except Exception:
+            self._mempool = torch.cuda.graph_pool_handle()  # the failed capture's pool is not reused
+            raise
         step.graph = graph
         if step.last is None:
             self.captures += 1

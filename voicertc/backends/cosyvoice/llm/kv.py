@@ -34,6 +34,8 @@ from transformers.models.qwen2.modeling_qwen2 import (
     apply_rotary_pos_emb,
 )
 
+from voicertc.backends.cosyvoice.accel.staging import to_device
+
 logger = logging.getLogger(__name__)
 
 
@@ -197,9 +199,9 @@ class SlotKV:
         lengths = [r.length for r in rows]
         span = max(lengths) + n_new  # keys every row may need: [0, span)
         self._ensure_capacity(span)
-        starts = torch.tensor(lengths, device=self.device)
+        starts = to_device(torch.tensor(lengths), self.device)  # pinned: no wait for the step in flight
         positions = starts[:, None] + torch.arange(n_new, device=self.device)[None, :]  # [B, T]
-        return torch.tensor([r.index for r in rows], device=self.device), positions, span
+        return to_device(torch.tensor([r.index for r in rows]), self.device), positions, span
 
     def forward_ragged(self, rows: list[KVSlot], embeds: list[Tensor]) -> Tensor:
         """Rows feeding different numbers of positions (prompts) in one forward: each [1, T_b, H] is

@@ -9,7 +9,6 @@ that crosses top-p included); if the drawn id already occurs in the last `win_si
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -17,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from voicertc.backends.cosyvoice.accel.staging import to_device
 from voicertc.errors import ModelDirError
 
 SamplingMode = Literal["ras", "greedy"]
@@ -183,17 +183,16 @@ def ras_on_device(
     return torch.where(repeats, redrawn, drawn)
 
 
-@functools.lru_cache(maxsize=64)
 def row_mask(rows: tuple[bool, ...], device: torch.device) -> Tensor:
-    """Rows of a batch (those that draw greedily, those with a ban) as a mask on `device`, made once
-    per pattern."""
-    return torch.tensor(rows, dtype=torch.bool, device=device)
+    """Rows of a batch (those that draw greedily, those with a ban) as a mask on `device`, copied from
+    pinned memory behind the queued work (a pageable copy would wait for the decode step in flight; a
+    cache shared by the engine and the LLM streamer would free a tensor another stream still reads)."""
+    return to_device(torch.tensor(rows, dtype=torch.bool), device)
 
 
-@functools.lru_cache(maxsize=64)
 def ban_index(ban: tuple[int, ...], device: torch.device) -> Tensor:
-    """The banned ids as an index tensor on `device`, made once per (ids, device)."""
-    return torch.tensor(ban, dtype=torch.long, device=device)
+    """The banned ids as an index tensor on `device` (as `row_mask`)."""
+    return to_device(torch.tensor(ban, dtype=torch.long), device)
 
 
 def draw_one(weights: Tensor, generator: torch.Generator | None) -> Tensor:

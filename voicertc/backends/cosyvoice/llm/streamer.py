@@ -152,9 +152,12 @@ class ThreadedSpeechLlm:
         self._graph_capture = graphs
         if graphs is not False:  # the graphs' scratch row beside `slots` rows, positions never outgrown
             slots, capacity = slots + 1, max(capacity, GRAPH_KV_CAPACITY)
-        self.pool = SlotKV(llm.llm.model.model, slots, capacity)  # owned by the streamer thread
-        self.graphs: DecodeGraphs | None = None  # made and warmed on the streamer thread (`start`)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" and graphs is not False else None
+        if self._stream is not None:  # the pool made on the stream that uses it (after what is queued)
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+        with self._on_stream():
+            self.pool = SlotKV(llm.llm.model.model, slots, capacity)  # owned by the streamer thread
+        self.graphs: DecodeGraphs | None = None  # made and warmed on the streamer thread (`start`)
         self._cond = threading.Condition()
         self._new: list[tuple[str, Tensor, int, int, TokenSink, int | None, object]] = []
         self._cancelled: set[str] = set()
